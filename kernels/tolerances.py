@@ -1,0 +1,29 @@
+"""Numerical tolerances for comparing kernels with their references, in one place.
+
+Keyed by (op family, dtype). fp32 is tight because the Triton interpreter and the
+references both accumulate in fp32; half types are loose because their outputs are
+rounded to 8 (bf16) or 11 (fp16) mantissa bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    # (family, dtype): (atol, rtol)
+    ("conv", torch.float32): (1e-4, 1e-4),
+    ("conv", torch.float16): (1e-2, 1e-2),
+    ("conv", torch.bfloat16): (5e-2, 5e-2),
+    ("norm", torch.float32): (1e-4, 1e-4),
+    ("norm", torch.float16): (1e-2, 1e-2),
+    ("norm", torch.bfloat16): (5e-2, 5e-2),
+}
+
+
+def tolerance(family: str, dtype: torch.dtype) -> tuple[float, float]:
+    """Return ``(atol, rtol)`` for an op family and dtype, or raise naming the missing key."""
+    try:
+        return TOLERANCES[(family, dtype)]
+    except KeyError:
+        known = sorted({f for f, _ in TOLERANCES})
+        raise KeyError(f"no tolerance for family={family!r} dtype={dtype}; families: {known}") from None

@@ -1,0 +1,190 @@
+"""Compiling a LightningModule in place, and undoing it: shared by both compiled strategies.
+
+Only ``forward`` is compiled (or, with ``regional=True``, the forward of each repeated
+block), never ``training_step``: Lightning's ``self.log`` breaks or crashes dynamo
+(Lightning #21836), while a compiled ``forward`` called from an eager ``training_step``
+gives whole graphs with zero breaks. Patching the instance attribute ``forward`` keeps
+``state_dict`` keys clean (no ``_orig_mod.``) and is undone by deleting the attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_plugin.compile_stats import CompileStats, make_backend
+from lightning_plugin.config import CompileConfig
+
+log = logging.getLogger(__name__)
+
+#: Exceptions that mean "the compiler failed", as opposed to an error in the user's code
+#: (a user error raised while tracing is re-raised by the eager re-run after a fallback).
+COMPILE_ERRORS: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._inductor.exc.InductorError,
+)
+
+_MISSING = object()
+
+
+@dataclass
+class _PatchedForward:
+    module: nn.Module
+    previous: Any  # the instance attribute ``forward`` before patching, or _MISSING
+
+
+class ModuleCompiler:
+    """Compiles a module's ``forward`` (or its repeated blocks) in place and restores it."""
+
+    def __init__(self, config: CompileConfig) -> None:
+        self.config = config
+        self.stats = CompileStats()
+        self._patched: list[_PatchedForward] = []
+        self._substitution_report: Any = None
+        self._use_eager = False
+
+    @property
+    def is_compiled(self) -> bool:
+        return bool(self._patched)
+
+    @property
+    def substitution_report(self) -> Any:
+        """The ``SubstitutionReport`` of the last compile, or ``None`` when no kernels were substituted."""
+        return self._substitution_report
+
+    def compile(self, module: nn.Module, device: torch.device) -> bool:
+        """Compile ``module`` in place; return False when it was left alone (already compiled)."""
+        if self.is_compiled:
+            return True
+        reason = already_compiled_reason(module)
+        if reason is not None:
+            warnings.warn(
+                f"The compiled strategy leaves the model as it is: {reason}. It will not be compiled twice; "
+                "pass the plain module to `Trainer.fit` to let the strategy compile it.",
+                stacklevel=2,
+            )
+            return False
+        if self.config.channels_last:
+            module.to(memory_format=torch.channels_last)
+        kinds = self.config.resolve_kernels(device)
+        if kinds:
+            from lightning_plugin.substitution import apply_substitutions
+
+            self._substitution_report = apply_substitutions(module, kinds)
+            log.info("Kernel substitutions:\n%s", self._substitution_report.summary())
+        self.stats.start()
+        self._use_eager = False
+        backend = make_backend(
+            self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats
+        )
+        targets = find_repeated_blocks(module) if self.config.regional else []
+        if self.config.regional and not targets:
+            warnings.warn(
+                f"CompileConfig(regional=True): {type(module).__name__} has no repeated block; "
+                "compiling its whole forward instead.",
+                stacklevel=2,
+            )
+        for target in targets or [module]:
+            self._patch(target, backend, to_channels_last=self.config.channels_last and target is module)
+        return True
+
+    def restore(self, module: nn.Module | None = None) -> None:
+        """Undo :meth:`compile`: original forwards back, substituted kernels reverted."""
+        for patched in reversed(self._patched):
+            if patched.previous is _MISSING:
+                patched.module.__dict__.pop("forward", None)
+            else:
+                patched.module.forward = patched.previous
+        self._patched.clear()
+        if self._substitution_report is not None and module is not None:
+            from lightning_plugin.substitution import undo_substitutions
+
+            undo_substitutions(module, self._substitution_report)
+        self._substitution_report = None
+
+    def _patch(self, target: nn.Module, backend: Callable[..., Any], to_channels_last: bool) -> None:
+        previous = target.__dict__.get("forward", _MISSING)
+        eager = target.forward
+        compiled = torch.compile(eager, backend=backend, **self.config.compile_kwargs())
+        target.forward = self._guarded(target, eager, compiled, to_channels_last)
+        self._patched.append(_PatchedForward(target, previous))
+
+    def _guarded(
+        self, target: nn.Module, eager: Callable[..., Any], compiled: Callable[..., Any], to_channels_last: bool
+    ) -> Callable[..., Any]:
+        config, stats = self.config, self.stats
+
+        @functools.wraps(eager)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if to_channels_last:
+                args = tuple(_channels_last(a) for a in args)
+            if self._use_eager or (not config.compile_eval and not target.training):
+                return eager(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except COMPILE_ERRORS as err:
+                if config.fallback == "raise":
+                    raise
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                warnings.warn(
+                    f"torch.compile failed for {type(target).__name__}.forward ({type(err).__name__}: "
+                    f"{first_line}); continuing in eager mode (CompileConfig(fallback='eager')). "
+                    "Use fallback='raise' to stop instead.",
+                    stacklevel=2,
+                )
+                self._use_eager = True
+                stats.fell_back = True
+                stats.fallback_reason = f"{type(err).__name__}: {first_line}"
+                return eager(*args, **kwargs)
+
+        forward.__lcv_compiled__ = True  # type: ignore[attr-defined]
+        return forward
+
+
+def already_compiled_reason(module: nn.Module) -> str | None:
+    """Why ``module`` counts as compiled by someone else, or None."""
+    if getattr(module, "_compiler_ctx", None):
+        return "it was passed to the Trainer as torch.compile(model)"
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch._dynamo.eval_frame.OptimizedModule):
+            return f"submodule {name!r} is a torch.compile'd module"
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            return f"submodule {name or type(module).__name__!r} was compiled with nn.Module.compile()"
+        if getattr(sub.__dict__.get("forward"), "__lcv_compiled__", False):
+            return f"submodule {name or type(module).__name__!r} is already compiled by another compiled strategy"
+    return None
+
+
+def find_repeated_blocks(root: nn.Module) -> list[nn.Module]:
+    """The outermost submodules whose (non-``torch.nn``) class occurs at least twice."""
+    counts = Counter(type(m) for m in root.modules() if m is not root and not _is_torch_builtin(m))
+    repeated = {cls for cls, n in counts.items() if n >= 2}
+    found: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if type(child) in repeated:
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(root)
+    return found
+
+
+def _is_torch_builtin(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.")
+
+
+def _channels_last(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point():
+        return value.contiguous(memory_format=torch.channels_last)
+    return value

@@ -1,0 +1,128 @@
+"""`CompileConfig`: every knob of the compiled strategies in one validated dataclass.
+
+Validation happens in ``__post_init__`` so that a bad value fails when the Trainer is
+built, not minutes later inside the first training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import torch
+
+#: Kernel substitutions the strategy knows how to apply (see ``lightning_plugin.substitution``).
+KNOWN_KERNELS: tuple[str, ...] = ("conv_bn_act", "bn_act", "groupnorm_act", "layernorm2d_act")
+
+#: Values of ``CompileConfig.kernels`` that stand for a set of substitutions.
+KERNEL_ALIASES: tuple[str, ...] = ("auto", "all", "none")
+
+_MODES: tuple[str | None, ...] = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_FALLBACKS: tuple[str, ...] = ("eager", "raise")
+
+KernelsSpec = Union[str, Iterable[str]]
+
+
+@dataclass
+class CompileConfig:
+    """How the compiled strategies run ``torch.compile`` on a LightningModule.
+
+    Args:
+        backend: a ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``, ``"eager"``, ...)
+            or a backend callable.
+        mode: Inductor mode: ``None``/``"default"``, ``"reduce-overhead"`` (CUDA graphs),
+            ``"max-autotune"`` or ``"max-autotune-no-cudagraphs"``. Only with the inductor backend.
+        fullgraph: raise on any graph break instead of splitting the graph.
+        dynamic: ``None`` lets dynamo mark a dimension dynamic after it changes once
+            (so the smaller last batch costs one recompile), ``True``/``False`` force it.
+        options: Inductor config overrides, e.g. ``{"shape_padding": True}``. Not together with ``mode``.
+        channels_last: convert the model (and 4-D inputs) to ``torch.channels_last`` before compiling.
+        kernels: kernel substitutions applied to the model before compiling: ``"auto"`` (all on CUDA,
+            none on CPU, where they would only run their PyTorch references), ``"all"``, ``"none"``,
+            or a list of names from :data:`KNOWN_KERNELS`.
+        compile_eval: also run validation/test/predict through the compiled forward.
+        fallback: what to do when compilation fails: ``"eager"`` warns and continues eagerly,
+            ``"raise"`` re-raises the compiler error.
+        regional: compile each repeated block (a submodule class used two or more times, such as
+            a ResNet ``BasicBlock``) once instead of the whole ``forward``; cuts compile time.
+    """
+
+    backend: str | Callable[..., Any] = "inductor"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: dict[str, Any] | None = None
+    channels_last: bool = False
+    kernels: KernelsSpec = "auto"
+    compile_eval: bool = True
+    fallback: Literal["eager", "raise"] = "eager"
+    regional: bool = False
+    _kernel_names: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.backend, str) and self.backend) and not callable(self.backend):
+            raise ValueError(f"CompileConfig.backend must be a backend name or a callable, got {self.backend!r}")
+        if isinstance(self.backend, str):
+            known = set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"}
+            if self.backend not in known:
+                raise ValueError(
+                    f"CompileConfig.backend={self.backend!r} is not a registered torch.compile backend; "
+                    f"known: {sorted(known)}"
+                )
+        if self.mode not in _MODES:
+            raise ValueError(f"CompileConfig.mode={self.mode!r} is not one of {list(_MODES)}")
+        if self.mode not in (None, "default") and self.backend != "inductor":
+            raise ValueError(f"CompileConfig.mode={self.mode!r} needs backend='inductor', got {self.backend!r}")
+        for name in ("fullgraph", "channels_last", "compile_eval", "regional"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CompileConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise TypeError(f"CompileConfig.dynamic must be None, True or False, got {self.dynamic!r}")
+        if self.options is not None:
+            if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
+                raise TypeError(f"CompileConfig.options must be a dict with str keys, got {self.options!r}")
+            if self.mode not in (None, "default"):
+                raise ValueError("CompileConfig: set either `mode` or `options`, not both (torch.compile rule)")
+        if self.fallback not in _FALLBACKS:
+            raise ValueError(f"CompileConfig.fallback={self.fallback!r} is not one of {list(_FALLBACKS)}")
+        self._kernel_names = _parse_kernels(self.kernels)
+
+    def resolve_kernels(self, device: torch.device) -> frozenset[str]:
+        """The substitutions to apply on ``device`` (``"auto"`` means all on CUDA, none elsewhere)."""
+        if self._kernel_names is None:  # "auto"
+            return frozenset(KNOWN_KERNELS) if device.type == "cuda" else frozenset()
+        return self._kernel_names
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``torch.compile`` (without the backend, which the strategy wraps)."""
+        return {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+
+    def replace(self, **changes: Any) -> CompileConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def _parse_kernels(spec: KernelsSpec) -> frozenset[str] | None:
+    """``None`` for "auto"; otherwise the validated set of substitution names."""
+    if isinstance(spec, str):
+        if spec == "auto":
+            return None
+        if spec == "all":
+            return frozenset(KNOWN_KERNELS)
+        if spec == "none":
+            return frozenset()
+        names = [spec]
+    else:
+        try:
+            names = list(spec)
+        except TypeError:
+            raise TypeError(f"CompileConfig.kernels must be a string or a list of strings, got {spec!r}") from None
+    unknown = [n for n in names if n not in KNOWN_KERNELS]
+    if unknown or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"CompileConfig.kernels: unknown substitution(s) {unknown or names}; "
+            f"choose from {list(KNOWN_KERNELS)} or one of {list(KERNEL_ALIASES)}"
+        )
+    return frozenset(names)
