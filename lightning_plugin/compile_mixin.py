@@ -15,12 +15,12 @@ from lightning_plugin.compile_stats import CompileStats
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import CompileConfig
 
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
+CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
 
 def build_config(config: CompileConfig | None, **fields: Any) -> CompileConfig:
     """One ``CompileConfig`` from either a config object or keyword arguments, not a mix of both."""
-    changed = {name: value for name, value in fields.items() if value != _CONFIG_DEFAULTS[name]}
+    changed = {name: value for name, value in fields.items() if value != CONFIG_DEFAULTS[name]}
     if config is None:
         return CompileConfig(**fields)
     if not isinstance(config, CompileConfig):

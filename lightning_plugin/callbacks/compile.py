@@ -1,0 +1,49 @@
+"""`TorchCompile`: the compiled strategies' forward compilation as a callback, for any strategy.
+
+Use it when the strategy is not ours (Lightning's ``ddp``, ``fsdp``, a custom one): it
+compiles the LightningModule's ``forward`` in ``setup`` (before the strategy wraps the
+module) and restores it in ``teardown``, with the same ``CompileConfig`` and counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_plugin.compile_mixin import CONFIG_DEFAULTS, CompiledStrategyMixin, build_config
+from lightning_plugin.compile_stats import CompileStats
+from lightning_plugin.compiler import ModuleCompiler
+from lightning_plugin.config import CompileConfig
+
+
+class TorchCompile(Callback):
+    """Compile ``pl_module.forward`` for the duration of a ``fit``/``validate``/``test``/``predict``.
+
+    Accepts ``config=CompileConfig(...)`` or its fields as keyword arguments.
+    """
+
+    def __init__(self, config: CompileConfig | None = None, **fields: Any) -> None:
+        unknown = sorted(set(fields) - set(CONFIG_DEFAULTS))
+        if unknown:
+            raise TypeError(f"TorchCompile got unknown compile setting(s) {unknown}; known: {sorted(CONFIG_DEFAULTS)}")
+        self._compiler = ModuleCompiler(build_config(config, **{**CONFIG_DEFAULTS, **fields}))
+
+    @property
+    def compile_stats(self) -> CompileStats:
+        return self._compiler.stats
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, CompiledStrategyMixin):
+            raise ValueError(
+                f"TorchCompile is for strategies that do not compile; {type(trainer.strategy).__name__} already "
+                "compiles the module. Remove the callback, or pass the settings to the strategy instead."
+            )
+        self._compiler.compile(pl_module, trainer.strategy.root_device)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._compiler.restore(pl_module)
