@@ -1,0 +1,316 @@
+"""TrainingMonitor: read the event files back, check tags and values; serve them with a real TensorBoard."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchvision.utils import make_grid
+
+from lightning_plugin import CompiledStrategy
+from lightning_plugin.callbacks import TrainingMonitor
+from lightning_plugin.flops import peak_flops
+
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+BATCH, SAMPLES, SIDE = 8, 36, 8  # 4 full batches + one of 4 (forces a recompile)
+DATA_DELAY_S = 0.004  # per sample: ~32 ms of data wait per batch
+STEP_SLEEP_S = 0.010
+PEAK = 1e12
+
+
+class SlowImages(Dataset):
+    """Normalised random images whose loading takes a known time."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.raw = torch.rand(n, 3, SIDE, SIDE, generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay)
+        x = (self.raw[i] - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+        return x, self.labels[i]
+
+
+class ImageData(pl.LightningDataModule):
+    mean, std = MEAN, STD
+
+    def __init__(self, delay: float = DATA_DELAY_S) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_set = SlowImages(SAMPLES, delay)
+        self.val_set = SlowImages(16, 0.0)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=BATCH, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=BATCH)
+
+
+class TinyCNN(pl.LightningModule):
+    def __init__(self, lr: float = 0.1, step_sleep: float = STEP_SLEEP_S) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+        self.example_input_array = torch.zeros(2, 3, SIDE, SIDE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.hparams.step_sleep)
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def _fit(root: Path, strategy, name: str, **monitor_kwargs) -> Path:
+    logger = TensorBoardLogger(str(root), name=name, version=0)
+    monitor = TrainingMonitor(peak_flops=PEAK, num_images=4, **monitor_kwargs)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        strategy=strategy,
+        logger=logger,
+        callbacks=[monitor],
+        log_every_n_steps=1,
+        num_sanity_val_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyCNN(), datamodule=ImageData())
+    return Path(logger.log_dir)
+
+
+def _events(log_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _values(acc: EventAccumulator, tag: str) -> list[float]:
+    return [e.value for e in acc.Scalars(tag)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tb")
+    return {
+        "root": root,
+        "compiled": _fit(root, CompiledStrategy(backend="eager"), "compiled"),
+        "plain": _fit(root, "auto", "plain"),
+    }
+
+
+def test_perf_scalars_are_plausible(runs) -> None:
+    acc = _events(runs["compiled"])
+    step_ms = _values(acc, "perf/step_time_ms")
+    wait = _values(acc, "perf/data_wait_fraction")
+    speed = _values(acc, "perf/samples_per_sec")
+    assert len(step_ms) == len(wait) == len(speed) == 10  # 5 batches x 2 epochs, logged every step
+    assert all(ms >= 1e3 * STEP_SLEEP_S for ms in step_ms)  # the sleep inside training_step is in the step
+    # Full batches wait ~32 ms for data against a ~10-20 ms step: most of the time is data wait.
+    steady = [w for i, w in enumerate(wait) if i not in (0, 4, 5, 9)]
+    assert min(steady) > 0.3, wait
+    # Physical bound: a batch cannot be faster than its data delay + the step sleep.
+    bound = BATCH / (BATCH * DATA_DELAY_S + STEP_SLEEP_S)
+    assert all(0 < s <= bound for s in speed), (speed, bound)
+
+
+def test_mfu_uses_independently_counted_flops(runs) -> None:
+    acc = _events(runs["compiled"])
+    # Analytic forward FLOPs per sample: 3x3 conv 3->4 on 8x8 (padding 1) + Linear 4->2, 2 FLOPs per MAC.
+    forward = 2 * 4 * 3 * 9 * SIDE * SIDE + 2 * 4 * 2
+    speed = _values(acc, "perf/samples_per_sec")
+    flops = _values(acc, "perf/flops_per_sec")
+    mfu = _values(acc, "perf/mfu")
+    assert len(speed) == len(flops) == len(mfu) == 10
+    for s, f, m in zip(speed, flops, mfu, strict=True):
+        assert f == pytest.approx(3 * forward * s, rel=1e-4)
+        assert m == pytest.approx(f / PEAK, rel=1e-4)
+
+
+def test_learning_rate_follows_the_schedule(runs) -> None:
+    acc = _events(runs["compiled"])
+    events = acc.Scalars("optim/lr")
+    by_step = {e.step: e.value for e in events}
+    # StepLR(step_size=1 epoch, gamma=0.5): 0.1 during epoch 0 (global steps 1..5), 0.05 after.
+    assert by_step[1] == pytest.approx(0.1)
+    assert by_step[6] == pytest.approx(0.05)
+
+
+def test_compile_metrics_and_reasons(runs) -> None:
+    acc = _events(runs["compiled"])
+    tags = acc.Tags()
+    graphs = _values(acc, "compile/graphs")
+    recompiles = _values(acc, "compile/recompiles")
+    assert graphs[-1] >= 2 and recompiles[-1] >= 1  # validation + training, and the smaller last batch
+    assert graphs == sorted(graphs)  # counters only grow
+    assert len(acc.Scalars("compile/graph_time_s")) == int(graphs[-1])
+    assert max(_values(acc, "compile/compile_time_s")) > 0
+    assert _values(acc, "compile/graph_breaks")[-1] == 0
+    text_tags = acc.Tags()["tensors"]
+    assert (
+        "compile/graphs/text_summary" in text_tags and "compile/recompile_reasons/text_summary" in text_tags
+    )
+    reasons = acc.Tensors("compile/recompile_reasons/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "forward" in reasons and ("size" in reasons or "grad_mode" in reasons), reasons
+    assert "perf/samples_per_sec" in tags["scalars"]
+
+
+def test_plain_strategy_has_no_compile_metrics(runs) -> None:
+    tags = _events(runs["plain"]).Tags()["scalars"]
+    assert "perf/samples_per_sec" in tags and "optim/lr" in tags
+    assert not [t for t in tags if t.startswith("compile/")]
+    assert not [t for t in tags if t.startswith("memory/")]  # CPU run: no CUDA memory
+
+
+def test_image_grid_is_denormalised(runs) -> None:
+    acc = _events(runs["compiled"])
+    images = acc.Images("samples/augmented")
+    assert len(images) == 2  # one per epoch
+    grid = torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(images[0].encoded_image_string))))
+    grid = grid.permute(2, 0, 1).float()[:3] / 255.0
+    expected = make_grid(SlowImages(SAMPLES, 0.0).raw[:4], nrow=2, padding=1)
+    assert grid.shape == expected.shape
+    assert torch.allclose(grid, expected, atol=1.5 / 255)
+
+
+def test_hparams_tab_has_params_and_final_metrics(runs) -> None:
+    acc = _events(runs["compiled"])
+    content = acc.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hparams = session.session_start_info.hparams
+    assert hparams["lr"].number_value == pytest.approx(0.1)
+    assert hparams["compile/backend"].string_value == "eager"
+    assert hparams["data/delay"].number_value == pytest.approx(DATA_DELAY_S)
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    metric_tags = {m.name.tag for m in experiment.experiment.metric_infos}
+    assert {"final/val_loss", "final/train_loss", "final/compile_graphs"} <= metric_tags
+    assert acc.Scalars("final/val_loss")[-1].value > 0
+
+
+def test_peak_flops_knows_the_h200(monkeypatch) -> None:
+    """Lightning's table misses "NVIDIA H200"; ours must not (dense bf16 = 989.5 TFLOP/s, NVL 835.5)."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    assert get_available_flops(cuda, torch.bfloat16) is None  # the gap we fill
+    assert peak_flops(cuda, torch.bfloat16) == pytest.approx(989.5e12)
+    assert peak_flops(cuda, torch.bfloat16, device_name="NVIDIA H200 NVL") == pytest.approx(835.5e12)
+    assert peak_flops(cuda, torch.bfloat16, device_name="NVIDIA H100 80GB HBM3") == pytest.approx(989.5e12)
+    assert peak_flops(torch.device("cpu"), torch.float32) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def test_tensorboard_server_lists_runs_and_scalars(runs) -> None:
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        str(runs["root"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load_fast",
+        "false",
+        "--reload_interval",
+        "1",
+    ]
+    server = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline, tags, run_names = time.monotonic() + 90, {}, []
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            try:
+                run_names = _get_json(f"{base}/data/runs")
+                tags = _get_json(f"{base}/data/plugin/scalars/tags")
+                if {"compiled/version_0", "plain/version_0"} <= set(tags):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert {"compiled/version_0", "plain/version_0"} <= set(run_names), run_names
+        assert "perf/samples_per_sec" in tags["compiled/version_0"]
+        assert "compile/graphs" in tags["compiled/version_0"]
+        series = _get_json(f"{base}/data/plugin/scalars/scalars?run=compiled/version_0&tag=perf/step_time_ms")
+        assert len(series) == 10 and all(point[2] > 0 for point in series)  # [wall_time, step, value]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_compile_metrics_from_the_torch_compile_callback(tmp_path) -> None:
+    """Plain strategy + the TorchCompile callback: the monitor finds the callback's compile_stats."""
+    from lightning_plugin.callbacks import TorchCompile
+
+    logger = TensorBoardLogger(str(tmp_path), name="cb", version=0)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=logger,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[TorchCompile(backend="eager"), TrainingMonitor(log_images=False)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyCNN(step_sleep=0.0), datamodule=ImageData(delay=0.0))
+    acc = _events(Path(logger.log_dir))
+    assert _values(acc, "compile/graphs")[-1] >= 1
+    assert not acc.Tags()["images"]  # log_images=False

@@ -1,0 +1,283 @@
+"""Interrupted runs (exception mid-step, SIGTERM) resume to the same final weights as an uninterrupted run.
+
+Tolerance: ``atol=1e-6, rtol=0`` on every state_dict entry (CPU, fixed seed; in practice the
+weights are bit-identical). The loader position is part of the checkpoint, so a wrong
+position (a skipped or repeated batch) shows up as different weights.
+
+Run as a script (``python test_resume.py ROOT``) it is the SIGTERM test's child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, Checkpoint, OnExceptionCheckpoint
+from torch import nn
+
+import lightning_plugin  # noqa: F401  (registers "compiled" for the child process)
+from lightning_plugin.callbacks import FaultTolerantCheckpoint
+
+SAMPLES, BATCH, EPOCHS = 48, 8, 2  # 6 steps per epoch, 12 in all
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ResumableBatches:
+    """A sized, resumable loader: a seeded permutation per epoch, position saved in ``state_dict``."""
+
+    def __init__(self, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(SAMPLES, 6, generator=g)
+        self.y = self.x @ torch.randn(6, 1, generator=g) + 0.1 * torch.randn(SAMPLES, 1, generator=g)
+        self.seed, self.epoch, self.position = seed, 0, 0
+
+    def __len__(self) -> int:
+        return SAMPLES // BATCH
+
+    def __iter__(self):
+        if self.position >= len(self):  # the previous epoch was used up: start the next one
+            self.epoch, self.position = self.epoch + 1, 0
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        while self.position < len(self):
+            index = order[self.position * BATCH : (self.position + 1) * BATCH]
+            self.position += 1  # counted when handed out, so state_dict() after a step includes it
+            yield self.x[index], self.y[index]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+class Regressor(pl.LightningModule):
+    """MLP with BatchNorm (buffers), SGD momentum (optimizer state) and a per-step LR schedule."""
+
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.fail_at_step = fail_at_step
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at_step:
+            raise RuntimeError(f"injected failure at global step {self.global_step}")
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def make_trainer(root: Path, callbacks: list[Callback], strategy: Any = "auto") -> pl.Trainer:
+    return pl.Trainer(
+        default_root_dir=str(root),
+        accelerator="cpu",
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def fresh_model(seed: int = 0, **kw: Any) -> Regressor:
+    torch.manual_seed(seed)
+    return Regressor(**kw)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    model = fresh_model()
+    make_trainer(tmp_path_factory.mktemp("full"), []).fit(model, ResumableBatches())
+    return _state(model)
+
+
+def _resume(ckpt: str, root: Path, strategy: Any = "auto", lost_batches: int = 0) -> dict[str, torch.Tensor]:
+    model = fresh_model(seed=123)  # different init: the checkpoint must supply everything
+    trainer = make_trainer(root, [], strategy)
+    trainer.fit(model, ResumableBatches(), ckpt_path=ckpt)
+    assert trainer.global_step == EPOCHS * SAMPLES // BATCH - lost_batches
+    return _state(model)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "compiled"])
+@pytest.mark.parametrize("fail_at", [3, 7])  # mid epoch 0, mid epoch 1
+def test_exception_mid_step_resumes_to_same_weights(tmp_path, uninterrupted, strategy, fail_at) -> None:
+    if strategy == "compiled":
+        strategy = lightning_plugin.CompiledStrategy(backend="eager")
+    saver = FaultTolerantCheckpoint(tmp_path)
+    with pytest.raises(RuntimeError, match=f"injected failure at global step {fail_at}"):
+        make_trainer(tmp_path, [saver], strategy).fit(fresh_model(fail_at_step=fail_at), ResumableBatches())
+    ckpt = torch.load(saver.ckpt_path, weights_only=False)
+    assert ckpt["global_step"] == fail_at
+    steps_per_epoch = SAMPLES // BATCH
+    # The loader position is that of the last finished step, so the failed batch is replayed.
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"epoch": fail_at // steps_per_epoch, "position": fail_at % steps_per_epoch}
+    ]
+    if isinstance(strategy, str):
+        strategy = "auto"
+    else:
+        strategy = lightning_plugin.CompiledStrategy(backend="eager")
+    _assert_same_weights(_resume(saver.ckpt_path, tmp_path, strategy), uninterrupted)
+
+
+def test_plain_on_exception_checkpoint_skips_the_failed_batch(tmp_path, uninterrupted) -> None:
+    """Why FaultTolerantCheckpoint exists: Lightning's callback saves the loader one batch ahead."""
+    saver = OnExceptionCheckpoint(tmp_path)
+    with pytest.raises(RuntimeError):
+        make_trainer(tmp_path, [saver]).fit(fresh_model(fail_at_step=3), ResumableBatches())
+    ckpt = torch.load(saver.ckpt_path, weights_only=False)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "position": 4}]
+    resumed = _resume(saver.ckpt_path, tmp_path, lost_batches=1)  # the batch of step 3 is never trained on
+    assert not torch.allclose(resumed["net.0.weight"], uninterrupted["net.0.weight"], atol=1e-6)
+
+
+def test_clean_finish_removes_the_interrupt_checkpoint(tmp_path) -> None:
+    saver = FaultTolerantCheckpoint(tmp_path)
+    make_trainer(tmp_path, [saver]).fit(fresh_model(), ResumableBatches())
+    assert not os.path.exists(saver.ckpt_path)
+
+
+class DigitsNet(pl.LightningModule):
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(4 * 8 * 8, 10),
+        )
+        self.fail_at_step = fail_at_step
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at_step:
+            raise RuntimeError(f"injected failure at global step {self.global_step}")
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_real_datamodule_resumes_mid_epoch(tmp_path) -> None:
+    """The project's DigitsDataModule (augmented DeviceLoader, resumable state) through the same fault."""
+    from vision.data import DigitsDataModule
+
+    def fit(model, callbacks=(), ckpt_path=None):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            strategy=lightning_plugin.CompiledStrategy(backend="eager"),
+            max_epochs=2,
+            callbacks=list(callbacks),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=bool(callbacks),
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=128, image_size=8), ckpt_path=ckpt_path)
+        return trainer
+
+    torch.manual_seed(0)
+    full = DigitsNet()
+    steps = fit(full).global_step
+    torch.manual_seed(0)
+    saver = FaultTolerantCheckpoint(tmp_path)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        fit(DigitsNet(fail_at_step=steps // 2 + 3), [saver])
+    torch.manual_seed(123)
+    resumed = DigitsNet()
+    assert fit(resumed, ckpt_path=saver.ckpt_path).global_step == steps
+    _assert_same_weights(_state(resumed), _state(full))
+
+
+class _SlowAndReporting(Callback):
+    """Child-side: make steps slow enough to be interrupted, and report progress to the parent."""
+
+    def __init__(self, progress: Path) -> None:
+        self.progress = progress
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.progress.write_text(json.dumps({"global_step": trainer.global_step}))
+        time.sleep(0.25)
+
+
+def _child_main(root: Path) -> None:
+    torch.manual_seed(0)
+    saver = FaultTolerantCheckpoint(root)
+    trainer = make_trainer(root, [saver, _SlowAndReporting(root / "progress.json")])
+    trainer.fit(fresh_model(), ResumableBatches())
+
+
+def test_sigterm_mid_epoch_leaves_a_resumable_checkpoint(tmp_path, uninterrupted) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(tmp_path)],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    progress = tmp_path / "progress.json"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and child.poll() is None:
+            if (
+                progress.exists()
+                and progress.read_text()
+                and json.loads(progress.read_text())["global_step"] >= 2
+            ):
+                break
+            time.sleep(0.05)
+        assert child.poll() is None, child.stdout.read().decode()[-3000:]
+        child.send_signal(signal.SIGTERM)
+        output = child.communicate(timeout=60)[0].decode()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    ckpt_path = tmp_path / "interrupted.ckpt"
+    assert ckpt_path.exists(), output[-3000:]
+    step = torch.load(ckpt_path, weights_only=False)["global_step"]
+    assert 2 <= step < SAMPLES // BATCH, f"stopped at step {step}: not mid-epoch\n{output[-3000:]}"
+    assert "SIGTERM received: stopping after global step" in output
+    _assert_same_weights(_resume(str(ckpt_path), tmp_path), uninterrupted)
+
+
+if __name__ == "__main__":
+    _child_main(Path(sys.argv[1]))

@@ -1,0 +1,30 @@
+"""Fast batched data augmentation and loading: uint8 storage, per-sample random params on whole batches."""
+
+from vision.data.color import ColorJitter, Normalize, ToGray
+from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
+from vision.data.datasets import CorruptImageError, ImageSet, load_cifar10, load_digits_images, load_image_folder
+from vision.data.erasing import CoarseDropout, Erasing
+from vision.data.geometry import (
+    CenterCrop, HorizontalFlip, Pad, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
+    VerticalFlip,
+)
+from vision.data.loader import DeviceLoader
+from vision.data.mixing import MixupCutmix
+from vision.data.pipeline import BatchOp, Pipeline, RaggedBatch
+
+__all__ = [
+    "BatchOp", "CIFAR10DataModule", "CenterCrop", "CoarseDropout", "ColorJitter", "CorruptImageError",
+    "DeviceLoader", "DigitsDataModule", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet",
+    "MixupCutmix", "Normalize", "Pad", "Pipeline", "RaggedBatch", "RandomCrop", "RandomResizedCrop",
+    "RandomTranslate", "Resize", "ResizeCenterCrop", "ToGray", "VerticalFlip", "from_albumentations",
+    "load_cifar10", "load_digits_images", "load_image_folder",
+]
+
+
+def __getattr__(name: str):
+    # albumentations (and cv2) are imported only when the bridge is used.
+    if name == "from_albumentations":
+        from vision.data.albumentations_bridge import from_albumentations
+
+        return from_albumentations
+    raise AttributeError(name)

@@ -1,0 +1,247 @@
+"""Batched colour ops: colour jitter (per-sample factors *and* per-sample order), grayscale, normalize.
+
+Pixel arithmetic runs in float32 on the 0..255 scale and saturates to [0, 255] after every step, which is
+what albumentations does on uint8 images (it never wraps around); the only difference is that we do not
+round to integers between steps.  Hue is shifted in HSV exactly like albumentations' float path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from vision.data.pipeline import BatchOp, Params, as_float, bernoulli, uniform
+
+#: ITU-R BT.601 luma weights, the ones ``cv2.COLOR_RGB2GRAY`` uses.
+GRAY_WEIGHTS = (0.299, 0.587, 0.114)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def rgb_to_gray(images: Tensor) -> Tensor:
+    """(N, 3, H, W) -> (N, 1, H, W) luma; uint8 input uses OpenCV's 14-bit fixed-point formula exactly."""
+    if images.shape[1] == 1:
+        return images
+    if images.dtype == torch.uint8:
+        r, g, b = images.to(torch.int32).unbind(1)
+        return ((r * 4899 + g * 9617 + b * 1868 + (1 << 13)) >> 14).to(torch.uint8).unsqueeze(1)
+    w = torch.tensor(GRAY_WEIGHTS, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
+    return (images * w).sum(dim=1, keepdim=True)
+
+
+def rgb_to_hsv(rgb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """RGB in [0, 1] -> (hue in [0, 1), saturation, value); same branch order as OpenCV."""
+    r, g, b = rgb.unbind(1)
+    maxc = rgb.amax(dim=1)
+    minc = rgb.amin(dim=1)
+    delta = maxc - minc
+    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
+    hue = torch.where(
+        maxc == r, (g - b) / safe, torch.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe)
+    )
+    hue = torch.where(delta > 0, (hue / 6.0).remainder(1.0), torch.zeros_like(hue))
+    sat = delta / torch.where(maxc > 0, maxc, torch.ones_like(maxc))
+    return hue, sat, maxc
+
+
+def hsv_to_rgb(hue: Tensor, sat: Tensor, val: Tensor) -> Tensor:
+    """Inverse of :func:`rgb_to_hsv`, via ``c_n = v - v s clamp(min(k, 4 - k), 0, 1)``, ``k = (n + 6h) mod 6``."""
+    n = torch.tensor((5.0, 3.0, 1.0), dtype=hue.dtype, device=hue.device).view(1, 3, 1, 1)
+    k = (n + 6.0 * hue.unsqueeze(1)).remainder(6.0)
+    ramp = torch.minimum(k, 4.0 - k).clamp(0.0, 1.0)
+    return val.unsqueeze(1) * (1.0 - sat.unsqueeze(1) * ramp)
+
+
+def adjust_hue(images: Tensor, shift: Tensor) -> Tensor:
+    """Rotate hue by ``shift`` (N,) turns (albumentations/torchvision ``hue`` factor); 0..255 units in/out."""
+    if images.shape[1] == 1:
+        return images
+    hue, sat, val = rgb_to_hsv(images / 255.0)
+    hue = (hue + shift.to(images.dtype).view(-1, 1, 1)).remainder(1.0)
+    return hsv_to_rgb(hue, sat, val) * 255.0
+
+
+def _blend(images: Tensor, factor: Tensor, other: Tensor) -> Tensor:
+    return (images * factor + other * (1.0 - factor)).clamp_(0.0, 255.0)
+
+
+def adjust_brightness(images: Tensor, factor: Tensor) -> Tensor:
+    """``clip(x * f)``, per-sample ``factor`` (N,)."""
+    return _blend(as_float(images), factor.to(torch.float32).view(-1, 1, 1, 1), torch.zeros((), device=images.device))
+
+
+def adjust_contrast(images: Tensor, factor: Tensor) -> Tensor:
+    """``clip(x * f + mean(gray(x)) * (1 - f))``, per-sample ``factor`` (N,)."""
+    x = as_float(images)
+    mean = rgb_to_gray(x).mean(dim=(1, 2, 3), keepdim=True)
+    return _blend(x, factor.to(torch.float32).view(-1, 1, 1, 1), mean)
+
+
+def adjust_saturation(images: Tensor, factor: Tensor) -> Tensor:
+    """``clip(x * f + gray(x) * (1 - f))``, per-sample ``factor`` (N,)."""
+    x = as_float(images)
+    if x.shape[1] == 1:
+        return x
+    return _blend(x, factor.to(torch.float32).view(-1, 1, 1, 1), rgb_to_gray(x))
+
+
+def _where_samples(
+    images: Tensor, mask: Tensor, fn: Callable[..., Tensor], *args: Tensor, inplace: bool = False
+) -> Tensor:
+    """``fn`` applied only to the samples in ``mask``.
+
+    On CPU we compute just those samples (indexing is free there); on accelerators we compute the whole
+    batch and select, because finding the indices would force a device-to-host sync inside the loader.
+    """
+    if images.device.type == "cpu":
+        idx = mask.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return images
+        out = images if inplace else images.clone()
+        out[idx] = fn(images[idx], *(a[idx] for a in args))
+        return out
+    return torch.where(mask.view(-1, 1, 1, 1), fn(images, *args), images)
+
+
+def color_jitter(
+    images: Tensor, brightness: Tensor, contrast: Tensor, saturation: Tensor, hue: Tensor, order: Tensor,
+    apply_hue: bool = True,
+) -> Tensor:
+    """Brightness/contrast/saturation/hue with per-sample factors, each sample in its own ``order``.
+
+    ``order`` is (N, 4) with a permutation of (0=brightness, 1=contrast, 2=saturation, 3=hue) per row.
+    The three blend-type ops share one fused step: ``clip(f x + (1 - f) y)`` with ``y`` = 0, the mean gray
+    level or the gray image depending on which op that sample does at that step.
+    """
+    x = as_float(images).clone() if images.dtype != torch.uint8 else images.float()
+    n = x.shape[0]
+    factors = torch.stack((brightness, contrast, saturation), dim=1).to(device=x.device, dtype=torch.float32)
+    order = order.to(x.device)
+    ones = torch.ones(n, 1, device=x.device)
+    table = torch.cat((factors, ones), dim=1)  # step doing hue: identity blend
+    for step in range(4):
+        op = order[:, step]
+        f = table.gather(1, op.view(n, 1)).view(n, 1, 1, 1)
+        gray = rgb_to_gray(x)
+        mean = gray.mean(dim=(1, 2, 3), keepdim=True)
+        opv = op.view(n, 1, 1, 1)
+        other = torch.where(opv == 1, mean, torch.where(opv == 2, gray, torch.zeros((), device=x.device)))
+        x = _blend(x, f, other)
+        if apply_hue and x.shape[1] == 3:
+            x = _where_samples(x, op == 3, adjust_hue, hue.to(x.device), inplace=True)  # x is our own buffer
+    return x
+
+
+def _range(value: float | Sequence[float], name: str, center: float, lower_bound: float | None) -> tuple[float, float]:
+    """Scalar ``v`` -> ``[max(lb, c - v), c + v]``; a pair is checked and kept (albumentations semantics)."""
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"ColorJitter: {name} as a single number must be non-negative, got {value}")
+        low = center - value
+        if lower_bound is not None:
+            low = max(low, lower_bound)
+        return (float(low), float(center + value))
+    lo, hi = (float(v) for v in value)
+    if lo > hi or (lower_bound is not None and lo < lower_bound):
+        raise ValueError(f"ColorJitter: {name} range must be (low, high) with low <= high, got {value!r}")
+    return (lo, hi)
+
+
+class ColorJitter(BatchOp):
+    """Random brightness, contrast, saturation and hue, applied in a random order *per sample*.
+
+    Defaults follow albumentations (``brightness=contrast=saturation=(0.8, 1.2)``, ``hue=(-0.5, 0.5)``,
+    ``p=0.5``); a scalar ``v`` means ``[max(0, 1 - v), 1 + v]`` (``[-v, v]`` for hue), so torchvision-style
+    ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` works too.  Samples not picked with ``p`` are left unchanged.
+    """
+
+    def __init__(
+        self,
+        brightness: float | Sequence[float] = (0.8, 1.2),
+        contrast: float | Sequence[float] = (0.8, 1.2),
+        saturation: float | Sequence[float] = (0.8, 1.2),
+        hue: float | Sequence[float] = (-0.5, 0.5),
+        p: float = 0.5,
+    ):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"ColorJitter: probability p must be in [0, 1], got {p}")
+        self.brightness = _range(brightness, "brightness", 1.0, 0.0)
+        self.contrast = _range(contrast, "contrast", 1.0, 0.0)
+        self.saturation = _range(saturation, "saturation", 1.0, 0.0)
+        self.hue = _range(hue, "hue", 0.0, None)
+        if self.hue[0] < -0.5 or self.hue[1] > 0.5:
+            raise ValueError(f"ColorJitter: hue must lie in [-0.5, 0.5], got {hue!r}")
+        self.p = p
+
+    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
+        apply = bernoulli(n, self.p, generator)
+        b = uniform(n, *self.brightness, generator)
+        c = uniform(n, *self.contrast, generator)
+        s = uniform(n, *self.saturation, generator)
+        h = uniform(n, *self.hue, generator)
+        order = torch.argsort(torch.rand(n, 4, generator=generator), dim=1)
+        one = torch.ones((), dtype=torch.float64)
+        return {
+            "brightness": torch.where(apply, b, one).float(),
+            "contrast": torch.where(apply, c, one).float(),
+            "saturation": torch.where(apply, s, one).float(),
+            "hue": torch.where(apply, h, 0.0 * one).float(),
+            "order": order,
+        }
+
+    def apply(self, images: Tensor, params: Params) -> Tensor:
+        return color_jitter(
+            images, params["brightness"], params["contrast"], params["saturation"], params["hue"], params["order"],
+            apply_hue=self.hue != (0.0, 0.0),
+        )
+
+
+class ToGray(BatchOp):
+    """Replace the image by its luma (replicated to 3 channels) with probability ``p`` per sample."""
+
+    def __init__(self, p: float = 0.5):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"ToGray: probability p must be in [0, 1], got {p}")
+        self.p = p
+
+    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
+        return {"gray": bernoulli(n, self.p, generator)}
+
+    def apply(self, images: Tensor, params: Params) -> Tensor:
+        if images.shape[1] == 1:
+            return images
+        gray = rgb_to_gray(images).expand_as(images)
+        return torch.where(params["gray"].view(-1, 1, 1, 1), gray, images)
+
+
+class Normalize(BatchOp):
+    """``(x - mean * max_pixel_value) / (std * max_pixel_value)`` (albumentations ``Normalize`` "standard").
+
+    ``mean``/``std`` are per-channel in 0..1 units; the output is float32.
+    """
+
+    def __init__(
+        self,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        max_pixel_value: float = 255.0,
+    ):
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"Normalize: mean has {len(self.mean)} values but std has {len(self.std)}")
+        if min(self.std) <= 0:
+            raise ValueError(f"Normalize: std must be positive, got {self.std}")
+        self.max_pixel_value = float(max_pixel_value)
+
+    def apply(self, images: Tensor, params: Params) -> Tensor:
+        c = images.shape[1]
+        if len(self.mean) not in (1, c):
+            raise ValueError(f"Normalize: {len(self.mean)} mean values for images with {c} channels")
+        device = images.device
+        scale = 1.0 / (torch.tensor(self.std, device=device) * self.max_pixel_value)
+        bias = -torch.tensor(self.mean, device=device) * self.max_pixel_value * scale
+        shape = (1, -1, 1, 1)
+        return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape))

@@ -1,0 +1,123 @@
+"""The airbench CIFAR-10 network (Keller Jordan, arXiv 2404.00498), written from its description.
+
+Why it is fast: a frozen 2x2 *whitening* convolution (patch-covariance eigenvectors, with
+their negatives) gives the first layer a good basis for free; three conv-pool-BN-GELU groups
+with no residuals and dirac (identity) init train quickly at a very high learning rate; BN
+scales are frozen at 1 and only BN biases learn. Published widths: 64/256/256 (airbench94),
+128/384/384 (airbench95).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vision.models._registry import register_model
+
+__all__ = ["AirbenchNet", "ConvGroup", "whitening_weights", "airbench94", "airbench95"]
+
+
+def _batchnorm(channels: int) -> nn.BatchNorm2d:
+    """BN with a frozen unit scale, a tiny eps and fast running statistics (PyTorch momentum 0.4)."""
+    bn = nn.BatchNorm2d(channels, eps=1e-12, momentum=0.4)
+    bn.weight.requires_grad_(False)
+    return bn
+
+
+def _conv3x3(in_channels: int, out_channels: int) -> nn.Conv2d:
+    conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding="same", bias=False)
+    # Identity on the first in_channels filters: each group starts close to passing its input through.
+    with torch.no_grad():
+        nn.init.dirac_(conv.weight[: min(in_channels, out_channels)])
+    return conv
+
+
+class ConvGroup(nn.Module):
+    """conv3x3 -> MaxPool2 -> BN -> GELU -> conv3x3 -> BN -> GELU (no residual)."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.conv1 = _conv3x3(in_channels, out_channels)
+        self.pool = nn.MaxPool2d(2)
+        self.norm1 = _batchnorm(out_channels)
+        self.conv2 = _conv3x3(out_channels, out_channels)
+        self.norm2 = _batchnorm(out_channels)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.norm1(self.pool(self.conv1(x))))
+        return self.act(self.norm2(self.conv2(x)))
+
+
+class AirbenchNet(nn.Module):
+    """Whitening conv, three :class:`ConvGroup` s, global max pool, bias-free linear head scaled by 1/9.
+
+    Args:
+        num_classes: size of the head.
+        widths: output channels of the three groups.
+        in_channels: image channels.
+        logit_scale: multiplies the logits (airbench uses 1/9; it pairs with label smoothing 0.2).
+    """
+
+    def __init__(
+            self,
+            num_classes: int = 10,
+            widths: tuple[int, int, int] | list[int] = (64, 256, 256),
+            in_channels: int = 3,
+            logit_scale: float = 1 / 9,
+    ) -> None:
+        super().__init__()
+        if len(widths) != 3 or any(int(w) < 1 for w in widths):
+            raise ValueError(f"AirbenchNet needs three positive widths, got {widths!r}")
+        widths = [int(w) for w in widths]
+        whiten_channels = 2 * in_channels * 2 * 2
+        self.whiten = nn.Conv2d(in_channels, whiten_channels, kernel_size=2, padding=0, bias=True)
+        self.whiten.weight.requires_grad_(False)
+        self.act = nn.GELU()
+        self.layer1 = ConvGroup(whiten_channels, widths[0])
+        self.layer2 = ConvGroup(widths[0], widths[1])
+        self.layer3 = ConvGroup(widths[1], widths[2])
+        self.head = nn.Linear(widths[2], num_classes, bias=False)
+        self.logit_scale = logit_scale
+
+    @torch.no_grad()
+    def init_whitening(self, images: torch.Tensor, eps: float = 5e-4) -> None:
+        """Set the frozen whitening filters from (normalised) training ``images`` (N, C, H, W)."""
+        self.whiten.weight.copy_(whitening_weights(images.to(self.whiten.weight), eps=eps))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.whiten(x))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return torch.amax(x, dim=(2, 3))  # = MaxPool(3) on the 3x3 map of a 32x32 input, any size here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x)) * self.logit_scale
+
+
+def whitening_weights(images: torch.Tensor, eps: float = 5e-4) -> torch.Tensor:
+    """2x2 whitening filters: eigenvectors of the patch covariance over sqrt(eigenvalue + eps), then negated copies.
+
+    Returns a (2 * C * 4, C, 2, 2) weight, largest-variance directions first.
+    """
+    if images.dim() != 4 or images.shape[-1] < 2 or images.shape[-2] < 2:
+        raise ValueError(f"whitening needs a batch of images (N, C, H>=2, W>=2), got shape {tuple(images.shape)}")
+    c = images.shape[1]
+    patches = images.float().unfold(2, 2, 1).unfold(3, 2, 1)  # N, C, H-1, W-1, 2, 2
+    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * 4)
+    covariance = patches.T @ patches / patches.shape[0]
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance.double())
+    eigenvalues, eigenvectors = eigenvalues.flip(0).float(), eigenvectors.T.flip(0).float()
+    filters = eigenvectors.reshape(-1, c, 2, 2) / torch.sqrt(eigenvalues.clamp_min(0) + eps).view(-1, 1, 1, 1)
+    return torch.cat((filters, -filters))
+
+
+@register_model
+def airbench94(num_classes: int = 10, **kwargs) -> AirbenchNet:
+    """airbench94 widths 64/256/256 (94% on CIFAR-10 in ~10 epochs)."""
+    return AirbenchNet(num_classes=num_classes, **{"widths": (64, 256, 256), **kwargs})
+
+
+@register_model
+def airbench95(num_classes: int = 10, **kwargs) -> AirbenchNet:
+    """airbench95 widths 128/384/384 (95% in ~15 epochs)."""
+    return AirbenchNet(num_classes=num_classes, **{"widths": (128, 384, 384), **kwargs})
