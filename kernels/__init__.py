@@ -8,5 +8,17 @@ without graph breaks. Without CUDA an op runs its PyTorch reference, unless
 
 from kernels.conv_ops import conv2d_fused
 from kernels.fused_conv import FusedConvBNAct
+from kernels.fused_norm import FusedBatchNormAct, FusedGroupNormAct, FusedLayerNorm2dAct, conv_bn_act
+from kernels.norm_ops import batch_norm_act, group_norm_act, layer_norm2d_act
 
-__all__ = ["FusedConvBNAct", "conv2d_fused"]
+__all__ = [
+    "FusedBatchNormAct",
+    "FusedConvBNAct",
+    "FusedGroupNormAct",
+    "FusedLayerNorm2dAct",
+    "batch_norm_act",
+    "conv2d_fused",
+    "conv_bn_act",
+    "group_norm_act",
+    "layer_norm2d_act",
+]

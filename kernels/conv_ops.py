@@ -92,6 +92,9 @@ def _conv2d_fused_fake(x, weight, bias, scale, shift, residual, stride, padding,
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, weight, bias, scale, shift, residual, stride, padding, dilation, activation, stats = inputs
     y = output[0]
+    # Leave unused output gradients as None: a consumer that reads the BN sums without differentiating
+    # through them (kernels.norm_ops) must not cost backward full-size work on all-zero sum gradients.
+    ctx.set_materialize_grads(False)
     ctx.stride, ctx.padding, ctx.dilation = stride, padding, dilation
     ctx.activation, ctx.stats = activation, stats
     ctx.residual_dtype = None if residual is None else residual.dtype

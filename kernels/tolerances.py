@@ -17,6 +17,9 @@ TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     ("norm", torch.float32): (1e-4, 1e-4),
     ("norm", torch.float16): (1e-2, 1e-2),
     ("norm", torch.bfloat16): (5e-2, 5e-2),
+    # A few optimizer steps of a tiny model, fused vs eager, fp32: reductions in a different order change
+    # last bits, which the steps then amplify. Measured differences are ~1e-7 on the test models.
+    ("train", torch.float32): (1e-5, 1e-5),
 }
 
 

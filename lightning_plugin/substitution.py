@@ -1,70 +1,425 @@
-"""Rewrite a model in place so BatchNorm2d -> activation chains run as our fused modules.
+"""Rewrite a model in place so its conv → norm → activation chains run as our fused ``lcv::`` ops.
 
-Module-level rewrite (not an Inductor pattern pass): it keeps parameter names and state_dict keys,
-works in eager and compiled mode alike, and is trivially undone at teardown.
+Design: *patched forwards*, not module swaps and not an Inductor graph pass. For each block we recognise,
+the instance gets a ``forward`` (or the one method that holds the chain) that computes exactly what the
+class's forward computes, but calls the fused ops on the tensors of the block's *own* modules. Nothing is
+re-parented or replaced, so parameter names, buffers, state_dict keys, optimizer state and checkpoints are
+those of the eager model; undoing is deleting the instance attribute. It works in eager mode and under
+``torch.compile(fullgraph=True)`` alike (the ops are ``torch.library`` custom ops).
+
+Recognised (exact classes; subclasses may override forward, so they are left alone):
+
+* torchvision ``BasicBlock``/``Bottleneck`` and ``ResNet`` (stem), and ours in ``vision.models.resnet``;
+* our airbench ``ConvGroup`` (``vision.models.airbench``);
+* ``nn.Sequential`` (and subclasses that keep its forward, e.g. torchvision ``Conv2dNormActivation``):
+  ``Conv2d → BatchNorm2d [→ act]``, ``BatchNorm2d [→ act]``, ``GroupNorm [→ act]``, ``LayerNorm2d [→ act]``.
+
+Each norm in a recognised block runs in one mode, chosen by the enabled kinds (``CompileConfig.kernels``):
+``conv_bn`` (``conv_bn_act``: conv with the BN-statistics epilogue + fused BN apply, or BN folded into the
+conv in eval), ``bn`` (``bn_act``: eager conv, fused BN), ``gn`` (``groupnorm_act``), ``ln2d``
+(``layernorm2d_act``), or ``eager`` (the original modules, when that kind is off or the modules cannot be
+fused). Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the
+fused op runs instead of those modules); hooks on the block itself do.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 
-KNOWN_SUBSTITUTIONS: tuple[str, ...] = ("conv_bn_act", "bn_act", "groupnorm_act", "layernorm2d_act")
+from lightning_plugin.config import KNOWN_KERNELS
+
+#: Substitution kinds (the same names ``CompileConfig(kernels=...)`` accepts).
+KNOWN_SUBSTITUTIONS: tuple[str, ...] = KNOWN_KERNELS
+
+#: Instance attribute holding a rewritten module's plan (plain tuples/dicts: deep-copies and pickles).
+PLAN_ATTR = "_lcv_plan"
+
+_MISSING = object()
+
+# A step: (mode, conv child or None, norm child, fused activation name, activation child or None).
+# mode "call" runs child ``norm`` as is (an untouched member of a rewritten Sequential).
+Step = tuple[str, "str | None", str, str, "str | None"]
 
 
 @dataclass
 class Replacement:
+    """One rewritten module: where, which kinds, what changed, and how to undo it."""
+
     path: str
     kind: str
     description: str
-    originals: dict[str, nn.Module] = field(default_factory=dict, repr=False)
+    attribute: str = field(default="forward", repr=False)
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
+    previous: Any = field(default=_MISSING, repr=False, compare=False)
 
 
 @dataclass
 class SubstitutionReport:
+    """What :func:`apply_substitutions` did: rewritten modules, and chains of recognised blocks that stay
+    eager, with the reason (``skipped``: ``(path, reason)``)."""
+
     replacements: list[Replacement]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         """A table of replaced blocks for the fit-start log."""
         if not self.replacements:
-            return "no kernel substitutions applied"
-        width = max(len(r.path) for r in self.replacements)
-        lines = [f"{'path'.ljust(width)}  kind     description"]
-        lines += [f"{r.path.ljust(width)}  {r.kind.ljust(7)}  {r.description}" for r in self.replacements]
+            lines = ["no kernel substitutions applied"]
+        else:
+            kinds: dict[str, int] = {}
+            for r in self.replacements:
+                for k in r.kind.split("+"):
+                    kinds[k] = kinds.get(k, 0) + 1
+            counts = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items()))
+            width = max(len(r.path) for r in self.replacements)
+            kind_w = max(len(r.kind) for r in self.replacements)
+            lines = [f"kernel substitutions: {len(self.replacements)} module(s) rewritten ({counts})"]
+            lines.append(f"{'path'.ljust(width)}  {'kind'.ljust(kind_w)}  description")
+            lines += [
+                f"{r.path.ljust(width)}  {r.kind.ljust(kind_w)}  {r.description}" for r in self.replacements
+            ]
+        lines += [f"not fused: {path}: {reason}" for path, reason in self.skipped]
         return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Running a plan
+
+
+def _run_step(
+    owner: nn.Module, step: Step, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    from kernels.fused_norm import (
+        batch_norm_module_forward,
+        conv_bn_act,
+        group_norm_module_forward,
+        layer_norm2d_module_forward,
+    )
+
+    mode, conv_name, norm_name, act, act_name = step
+    mods = owner._modules
+    if mode == "call":
+        return mods[norm_name](x)
+    if not _still_fusable(mode, mods[norm_name], mods[conv_name] if conv_name is not None else None):
+        mode = "eager"  # the norm was swapped after planning (e.g. for SyncBatchNorm): run what is there
+    if mode == "conv_bn":
+        return conv_bn_act(x, mods[conv_name], mods[norm_name], act, residual)
+    if conv_name is not None:
+        x = mods[conv_name](x)
+    norm = mods[norm_name]
+    if mode == "bn":
+        return batch_norm_module_forward(norm, x, act, residual)
+    if mode == "gn":
+        return group_norm_module_forward(norm, x, act, residual)
+    if mode == "ln2d":
+        return layer_norm2d_module_forward(norm, x, act, residual)
+    x = norm(x)  # "eager": the block's own modules, exactly as its class's forward calls them
+    if residual is not None:
+        x = x + residual
+    return mods[act_name](x) if act_name is not None else x
+
+
+def _still_fusable(mode: str, norm: nn.Module, conv: nn.Module | None) -> bool:
+    """Dynamo-constant type checks that keep a plan correct if a module was replaced after planning."""
+    if mode == "conv_bn":
+        return type(norm) is nn.BatchNorm2d and type(conv) is nn.Conv2d
+    if mode == "bn":
+        return type(norm) is nn.BatchNorm2d
+    if mode == "gn":
+        return type(norm) is nn.GroupNorm
+    if mode == "ln2d":
+        return _is_layernorm2d(norm)
+    return True
+
+
+def _chain(
+    block: nn.Module, x: torch.Tensor, norm_name: str, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _run_step(block, getattr(block, PLAN_ATTR)[norm_name], x, residual)
+
+
+def _sequential_forward(self: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    for step in getattr(self, PLAN_ATTR):
+        x = _run_step(self, step, x)
+    return x
+
+
+def _basic_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    identity = x if self.downsample is None else self.downsample(x)
+    out = _chain(self, x, "bn1")
+    return _chain(self, out, "bn2", identity)
+
+
+def _bottleneck_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    identity = x if self.downsample is None else self.downsample(x)
+    out = _chain(self, x, "bn1")
+    out = _chain(self, out, "bn2")
+    return _chain(self, out, "bn3", identity)
+
+
+def _torchvision_resnet_forward_impl(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = self.maxpool(_chain(self, x, "bn1"))
+    x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+    return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _vision_resnet_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = self.maxpool(_chain(self, x, "bn1"))
+    x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+    return torch.flatten(self.avgpool(x), 1)
+
+
+def _airbench_conv_group_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = _chain(self, self.pool(self.conv1(x)), "norm1")
+    return _chain(self, x, "norm2")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Recognising blocks
+
+
+@dataclass(frozen=True)
+class _BlockSpec:
+    """A block class we know the forward of: the method to patch, its replacement, and its chains
+    ``(conv child or None, norm child, activation child)``, in the order the forward runs them."""
+
+    attribute: str
+    forward: Callable[..., torch.Tensor]
+    chains: tuple[tuple[str | None, str, str], ...]
+
+
+def _block_specs() -> dict[type[nn.Module], _BlockSpec]:
+    specs: dict[type[nn.Module], _BlockSpec] = {}
+    basic = _BlockSpec("forward", _basic_block_forward, (("conv1", "bn1", "relu"), ("conv2", "bn2", "relu")))
+    bottleneck = _BlockSpec(
+        "forward",
+        _bottleneck_forward,
+        (("conv1", "bn1", "relu"), ("conv2", "bn2", "relu"), ("conv3", "bn3", "relu")),
+    )
+    try:
+        from torchvision.models import resnet as tv_resnet
+
+        specs[tv_resnet.BasicBlock] = basic
+        specs[tv_resnet.Bottleneck] = bottleneck
+        specs[tv_resnet.ResNet] = _BlockSpec(
+            "_forward_impl", _torchvision_resnet_forward_impl, (("conv1", "bn1", "relu"),)
+        )
+    except ImportError:  # pragma: no cover - torchvision is a dependency
+        pass
+    from vision.models import airbench, resnet
+
+    specs[resnet.BasicBlock] = basic
+    specs[resnet.Bottleneck] = bottleneck
+    specs[resnet.ResNet] = _BlockSpec(
+        "forward_features", _vision_resnet_forward_features, (("conv1", "bn1", "relu"),)
+    )
+    specs[airbench.ConvGroup] = _BlockSpec(
+        "forward", _airbench_conv_group_forward, ((None, "norm1", "act"), ("conv2", "norm2", "act"))
+    )
+    return specs
+
+
+#: LayerNorm-over-channels classes (``nn.LayerNorm`` subclasses whose forward permutes NCHW → NHWC → NCHW).
+_LAYERNORM2D_CLASSES = ("torchvision.models.convnext.LayerNorm2d", "timm.layers.norm.LayerNorm2d")
+
+
+def _is_layernorm2d(module: nn.Module) -> bool:
+    cls = type(module)
+    return (
+        isinstance(module, nn.LayerNorm)
+        and f"{cls.__module__}.{cls.__qualname__}" in _LAYERNORM2D_CLASSES
+        and len(module.normalized_shape) == 1
+    )
+
+
+_NORM_MODE_KIND = {"conv_bn": "conv_bn_act", "bn": "bn_act", "gn": "groupnorm_act", "ln2d": "layernorm2d_act"}
+
+
+def _norm_mode(conv: nn.Module | None, norm: nn.Module, kinds: frozenset[str]) -> tuple[str, str | None]:
+    """The mode a norm runs in, and why it stays eager (None when it does not)."""
+    from kernels.fused_norm import why_conv_bn_not_fusable
+
+    reason = None
+    if type(norm) is nn.BatchNorm2d:
+        if conv is not None and "conv_bn_act" in kinds:
+            reason = why_conv_bn_not_fusable(conv, norm)
+            if reason is None:
+                return "conv_bn", None
+        if "bn_act" in kinds:
+            return "bn", (None if reason is None else f"conv stays eager ({reason})")
+        return "eager", reason or "bn_act is not enabled"
+    if type(norm) is nn.GroupNorm:
+        return ("gn", None) if "groupnorm_act" in kinds else ("eager", "groupnorm_act is not enabled")
+    if _is_layernorm2d(norm):
+        return ("ln2d", None) if "layernorm2d_act" in kinds else ("eager", "layernorm2d_act is not enabled")
+    return "eager", f"{type(norm).__name__} has no fused kernel"
+
+
+def _act_step_name(module: nn.Module | None) -> str | None:
+    from kernels.fused_norm import activation_name
+
+    return activation_name(module)
+
+
+def _plan_block(
+    block: nn.Module, spec: _BlockSpec, kinds: frozenset[str]
+) -> tuple[dict[str, Step] | None, str]:
+    """Per-norm steps for a known block, or (None, reason) when nothing can be fused."""
+    mods = block._modules
+    plan: dict[str, Step] = {}
+    reasons = []
+    for conv_name, norm_name, act_attr in spec.chains:
+        conv = mods.get(conv_name) if conv_name is not None else None
+        norm, act_mod = mods.get(norm_name), mods.get(act_attr)
+        if norm is None or act_mod is None or (conv_name is not None and conv is None):
+            return None, f"missing submodule for chain {conv_name}/{norm_name}/{act_attr}"
+        act = _act_step_name(act_mod)
+        mode, why = (
+            _norm_mode(conv, norm, kinds)
+            if act is not None
+            else ("eager", f"{type(act_mod).__name__} cannot be fused")
+        )
+        if why is not None:
+            reasons.append(f"{norm_name}: {why}")
+        plan[norm_name] = (mode, conv_name, norm_name, act or "none", act_attr)
+    if all(step[0] == "eager" for step in plan.values()):
+        return None, "; ".join(reasons) or "nothing to fuse"
+    return plan, "; ".join(reasons)
+
+
+def _is_plain_sequential(module: nn.Module) -> bool:
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[Step, ...] | None:
+    """Steps for a Sequential, fusing ``[Conv2d →] norm [→ act]`` runs; None when nothing fuses."""
+    names = list(seq._modules)
+    mods = [seq._modules[n] for n in names]
+    steps: list[Step] = []
+    i = 0
+    while i < len(names):
+        conv = mods[i] if type(mods[i]) is nn.Conv2d and i + 1 < len(mods) else None
+        norm_at = i + 1 if conv is not None else i
+        mode, _ = _norm_mode(conv, mods[norm_at], kinds) if norm_at < len(mods) else ("eager", None)
+        if conv is not None and mode != "conv_bn":
+            steps.append(("call", None, names[i], "none", None))  # the conv runs as is; the norm is next
+            i += 1
+            continue
+        if mode == "eager":
+            steps.append(("call", None, names[i], "none", None))
+            i += 1
+            continue
+        nxt = norm_at + 1
+        act = _act_step_name(mods[nxt]) if nxt < len(mods) else None
+        act_child = names[nxt] if act is not None else None  # consumed: the fused op applies it
+        steps.append((mode, names[i] if conv is not None else None, names[norm_at], act or "none", act_child))
+        i = nxt + 1 if act is not None else nxt
+    if all(s[0] == "call" for s in steps):
+        return None
+    return tuple(steps)
+
+
+def _describe(steps: list[Step]) -> str:
+    parts = []
+    for mode, conv, norm, act, _ in steps:
+        if mode == "call":
+            continue
+        chain = "+".join(p for p in (conv, norm, None if act == "none" else act) if p)
+        parts.append(f"{chain} -> {mode}")
+    return ", ".join(parts)
+
+
+def _kinds_of(steps: list[Step]) -> str:
+    kinds: list[str] = []
+    for step in steps:
+        kind = _NORM_MODE_KIND.get(step[0])
+        if kind is not None and kind not in kinds:
+            kinds.append(kind)
+    return "+".join(kinds)
+
+
+def _patch(module: nn.Module, attribute: str, fn: Callable[..., Any], plan: Any) -> Any:
+    """Set the instance attribute; ``functools.partial`` (not a bound method) so the model still pickles
+    and deep-copies with its rewrite (a bound method of a free function would unpickle to the class's)."""
+    previous = module.__dict__.get(attribute, _MISSING)
+    setattr(module, PLAN_ATTR, plan)
+    setattr(module, attribute, functools.partial(fn, module))
+    return previous
+
+
 def apply_substitutions(module: nn.Module, kinds: frozenset[str]) -> SubstitutionReport:
-    """Replace fusable chains in place; returns what was replaced. Unknown kinds raise."""
+    """Rewrite recognised blocks of ``module`` in place to run fused ops; return what was rewritten.
+
+    ``kinds`` are names from :data:`KNOWN_SUBSTITUTIONS`; unknown names raise. Idempotent: a module that
+    already carries a plan is left alone.
+    """
     unknown = set(kinds) - set(KNOWN_SUBSTITUTIONS)
     if unknown:
         raise ValueError(f"unknown substitutions {sorted(unknown)}; known: {KNOWN_SUBSTITUTIONS}")
+    kinds = frozenset(kinds)
     report = SubstitutionReport([])
-    if "bn_act" in kinds:
-        from kernels.fused_norm import FusedBatchNormAct, activation_name
-
-        for name, parent in list(module.named_modules()):
-            if not isinstance(parent, nn.Sequential):
+    if not kinds:
+        return report
+    specs = _block_specs()
+    for path, sub in list(module.named_modules()):
+        if PLAN_ATTR in sub.__dict__:
+            continue
+        label = path or type(sub).__name__
+        spec = specs.get(type(sub))
+        if spec is not None:
+            plan, why = _plan_block(sub, spec, kinds)
+            if why:
+                report.skipped.append((label, why))
+            if plan is None:
                 continue
-            keys = list(parent._modules)
-            for a, b in zip(keys, keys[1:]):
-                bn, act = parent._modules[a], parent._modules[b]
-                if type(bn) is nn.BatchNorm2d and act is not None and activation_name(act) not in (None, "none"):
-                    parent._modules[a] = FusedBatchNormAct.from_module(bn, act)
-                    parent._modules[b] = nn.Identity()
-                    prefix = f"{name}." if name else ""
-                    report.replacements.append(Replacement(
-                        f"{prefix}{a}", "bn_act", f"BatchNorm2d + {type(act).__name__} -> FusedBatchNormAct",
-                        {a: bn, b: act}))
+            steps = list(plan.values())
+            previous = _patch(sub, spec.attribute, spec.forward, plan)
+            report.replacements.append(
+                Replacement(
+                    label,
+                    _kinds_of(steps),
+                    f"{type(sub).__name__}.{spec.attribute}: {_describe(steps)}",
+                    spec.attribute,
+                    sub,
+                    previous,
+                )
+            )
+        elif _is_plain_sequential(sub):
+            seq_plan = _plan_sequential(sub, kinds)  # type: ignore[arg-type]
+            if seq_plan is None:
+                continue
+            previous = _patch(sub, "forward", _sequential_forward, seq_plan)
+            report.replacements.append(
+                Replacement(
+                    label,
+                    _kinds_of(list(seq_plan)),
+                    f"{type(sub).__name__}: {_describe(list(seq_plan))}",
+                    "forward",
+                    sub,
+                    previous,
+                )
+            )
     return report
 
 
 def undo_substitutions(module: nn.Module, report: SubstitutionReport) -> None:
-    """Put the original modules back (they share parameters with the fused ones, so training carries over)."""
+    """Restore the original methods (parameters were never moved, so training carries over)."""
     for rep in reversed(report.replacements):
-        parent_path = rep.path.rpartition(".")[0]
-        parent = module.get_submodule(parent_path) if parent_path else module
-        for key, original in rep.originals.items():
-            parent._modules[key] = original
+        target = rep.module if rep.module is not None else module.get_submodule(rep.path)
+        if rep.previous is _MISSING:
+            target.__dict__.pop(rep.attribute, None)
+        else:
+            setattr(target, rep.attribute, rep.previous)
+        target.__dict__.pop(PLAN_ATTR, None)
     report.replacements.clear()
+
+
+def substituted_modules(module: nn.Module) -> list[str]:
+    """Paths of the submodules of ``module`` that currently run a substitution plan."""
+    return [path or type(sub).__name__ for path, sub in module.named_modules() if PLAN_ATTR in sub.__dict__]

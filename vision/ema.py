@@ -41,12 +41,16 @@ class ModelEMA(nn.Module):
         decay = self.decay if decay is None else decay
         _check_decay(decay)
         live = model.state_dict()
+        averages, values = [], []
         for name, average in self.module.state_dict().items():
             value = live[name].detach()
             if average.is_floating_point():
-                average.lerp_(value.to(average.dtype), 1.0 - decay)
+                averages.append(average)
+                values.append(value.to(average.dtype))
             else:
                 average.copy_(value)
+        if averages:  # one fused multi-tensor op instead of a kernel per tensor
+            torch._foreach_lerp_(averages, values, 1.0 - decay)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

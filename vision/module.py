@@ -9,6 +9,7 @@ augmentation in ``test``/``predict`` only (validation stays cheap and comparable
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,6 +25,10 @@ from vision.tta import TTA_MODES, predict_with_tta
 
 __all__ = ["ClassificationModule", "lr_factor"]
 
+# The EMA copy is a submodule kept in eval mode on purpose (it is only ever evaluated, with its averaged BN
+# statistics); Lightning's generic "modules in eval mode at the start of training" warning is expected here.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+
 Schedule = Literal["cosine", "triangle", "step", "constant"]
 
 
@@ -37,7 +42,8 @@ class ClassificationModule(pl.LightningModule):
         optimizer: ``"sgd"`` or ``"adamw"``.
         lr: peak learning rate of the weight group.
         momentum, nesterov: SGD momentum (AdamW uses it as beta1).
-        weight_decay: decay of weights (tensors with 2+ dims).
+        weight_decay: decay of every trainable parameter outside normalisation layers (biases included, as in
+            airbench and torchvision's reference scripts).
         norm_weight_decay: decay of normalisation-layer parameters (torchvision's ``--norm-weight-decay``);
             ``None`` = ``weight_decay``.
         bias_lr_scale: learning-rate multiplier of the normalisation-layer parameters; their weight decay is divided
@@ -57,6 +63,8 @@ class ClassificationModule(pl.LightningModule):
             whitening filters at the start of fit; 0 = leave them.
         whitening_bias_epochs: train the whitening bias only for the first n epochs (airbench: 3); ``None`` = always.
         channels_last: convert the model to channels_last memory format.
+        recipe: name of the recipe these settings came from. Informational, but saved with the
+            hyperparameters so that ``lcv test --ckpt_path X`` can find the data set without ``--recipe``.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class ClassificationModule(pl.LightningModule):
             whitening_images: int = 0,
             whitening_bias_epochs: int | None = None,
             channels_last: bool = True,
+            recipe: str | None = None,
     ) -> None:
         super().__init__()
         _validate(locals())
@@ -97,7 +106,18 @@ class ClassificationModule(pl.LightningModule):
     # ----------------------------------------------------------------------------------------- building
     def _build(self, num_classes: int) -> None:
         hp = self.hparams
-        model = create_model(hp.model, num_classes=num_classes, **(hp.model_kwargs or {}))
+        try:
+            model = create_model(hp.model, num_classes=num_classes, **(hp.model_kwargs or {}))
+        except TypeError as err:  # typically model_kwargs meant for another architecture
+            raise ValueError(
+                f"model {hp.model!r} does not accept model_kwargs={hp.model_kwargs!r} ({err}); when changing the "
+                "model, set its kwargs too (lcv: --model.model_kwargs '{}')"
+            ) from err
+        if hp.whitening_images and not hasattr(model, "init_whitening"):
+            raise ValueError(
+                f"whitening_images={hp.whitening_images} needs a model with a whitening layer (airbench*), but "
+                f"{hp.model!r} has none; set whitening_images=0 (lcv: --model.whitening_images 0)"
+            )
         if hp.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
@@ -274,8 +294,15 @@ def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _first_images(trainer: pl.Trainer, n: int) -> torch.Tensor:
-    """Up to ``n`` images from the start of the training loader (for data-dependent init)."""
-    loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else trainer.train_dataloader
+    """Up to ``n`` training images (for data-dependent init).
+
+    A datamodule with ``sample_train_images`` (the recipe DataModules) gives a seeded random sample of
+    unaugmented images without touching its train loader; otherwise they come from the start of the train
+    loader."""
+    datamodule = trainer.datamodule
+    if datamodule is not None and hasattr(datamodule, "sample_train_images"):
+        return datamodule.sample_train_images(n).float()
+    loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader
     chunks, count = [], 0
     for images, _ in loader:
         chunks.append(images)

@@ -28,7 +28,9 @@ class TorchCompile(Callback):
     def __init__(self, config: CompileConfig | None = None, **fields: Any) -> None:
         unknown = sorted(set(fields) - set(CONFIG_DEFAULTS))
         if unknown:
-            raise TypeError(f"TorchCompile got unknown compile setting(s) {unknown}; known: {sorted(CONFIG_DEFAULTS)}")
+            raise TypeError(
+                f"TorchCompile got unknown compile setting(s) {unknown}; known: {sorted(CONFIG_DEFAULTS)}"
+            )
         self._compiler = ModuleCompiler(build_config(config, **{**CONFIG_DEFAULTS, **fields}))
 
     @property
@@ -39,7 +41,8 @@ class TorchCompile(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, CompiledStrategyMixin):
             raise ValueError(
-                f"TorchCompile is for strategies that do not compile; {type(trainer.strategy).__name__} already "
+                "TorchCompile is for strategies that do not compile; "
+                f"{type(trainer.strategy).__name__} already "
                 "compiles the module. Remove the callback, or pass the settings to the strategy instead."
             )
         self._compiler.compile(pl_module, trainer.strategy.root_device)

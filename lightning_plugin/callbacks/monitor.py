@@ -40,11 +40,16 @@ class TrainingMonitor(Callback):
     ``compile/compile_time_s``, ``compile/fell_back`` and ``compile/graph_time_s`` (one point
     per graph, x-axis = graph index) when the strategy exposes ``compile_stats``,
     ``memory/{allocated,reserved,peak}_gib`` on CUDA, and ``optim/lr`` (``optim/lr_opt{i}_group{j}``
-    with several optimizers or groups). Text: ``compile/graphs``, ``compile/break_reasons`` and
-    ``compile/recompile_reasons``. Image: ``samples/augmented`` at the first batch of each epoch.
-    At the end of ``fit``: the HParams tab (hyperparameters + ``final/*`` metrics); to make it
-    the run's only hparams record, the monitor turns off ``TensorBoardLogger``'s placeholder
-    ``hp_metric`` (TensorBoard displays the first record of a run).
+    with several optimizers or groups). Text: ``compile/graphs``, ``compile/break_reasons``,
+    ``compile/recompile_reasons`` and ``compile/fallback``. Image: ``samples/augmented`` at the
+    first batch of each epoch. At the end of ``fit``: the HParams tab (hyperparameters +
+    ``final/*`` metrics); to make it the run's only hparams record, the monitor turns off
+    ``TensorBoardLogger``'s placeholder ``hp_metric`` (TensorBoard displays the first record of a run).
+
+    The defaults suit a monitor that is always on (the ``lcv`` command adds one): monitoring
+    never stops a run (a FLOP count that cannot be measured only warns), and on CUDA the
+    clock reads wait for the current stream only, so a loader that prepares the next batch on
+    a side stream keeps overlapping with the step.
 
     Args:
         log_every_n_steps: logging interval in training batches; ``None`` uses the Trainer's.
@@ -56,9 +61,10 @@ class TrainingMonitor(Callback):
         batch_size_fn: returns the number of samples in a batch; default: dim 0 of the first tensor.
         log_images: log a grid of the first training batch of each epoch.
         num_images: how many images the grid shows.
-        mean, std: per-channel normalisation to undo for the grid; ``None`` reads
-            ``trainer.datamodule.mean``/``std`` (or ``normalize_mean``/``normalize_std``), and
-            failing that rescales each image to [0, 1].
+        mean, std: per-channel normalisation to undo for the grid; ``None`` takes it from the
+            train loader's pipeline (a ``Normalize`` op: an op with ``mean``/``std`` attributes),
+            then from ``trainer.datamodule.mean``/``std`` (or ``normalize_mean``/``normalize_std``),
+            and failing both rescales each image to [0, 1]. uint8 images are shown as they are.
         log_hparams: write the HParams tab at the end of ``fit``.
     """
 
@@ -77,7 +83,9 @@ class TrainingMonitor(Callback):
     ) -> None:
         super().__init__()
         if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
         ):
             raise ValueError(
                 "TrainingMonitor: log_every_n_steps must be a positive int or None, "
@@ -90,8 +98,17 @@ class TrainingMonitor(Callback):
                 raise ValueError(
                     f"TrainingMonitor: {name} must be a positive finite number or None, got {value!r}"
                 )
-        if not isinstance(num_images, int) or num_images < 1:
+        if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 1:
             raise ValueError(f"TrainingMonitor: num_images must be a positive int, got {num_images!r}")
+        for name, flag in (
+            ("measure_flops", measure_flops),
+            ("log_images", log_images),
+            ("log_hparams", log_hparams),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"TrainingMonitor: {name} must be a bool, got {flag!r}")
+        if batch_size_fn is not None and not callable(batch_size_fn):
+            raise TypeError(f"TrainingMonitor: batch_size_fn must be callable or None, got {batch_size_fn!r}")
         if (mean is None) != (std is None):
             raise ValueError("TrainingMonitor: pass both `mean` and `std`, or neither")
         if mean is not None and std is not None:
@@ -129,7 +146,7 @@ class TrainingMonitor(Callback):
         self._recompiles_logged = 0
         self._graphs_text = 0
         self._fallback_logged = False
-        self._last_batch_size = 0
+        self._max_batch_size = 0
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -163,12 +180,7 @@ class TrainingMonitor(Callback):
             self._flops_per_batch = float(module_flops)
         measure = self.measure_flops and trainer.is_global_zero
         if self._flops_per_sample is None and self._flops_per_batch is None and measure:
-            example = getattr(pl_module, "example_input_array", None)
-            batch = _first_tensor(example)
-            if batch is not None and batch.dim() > 0 and batch.shape[0] > 0:
-                forward = measure_forward_flops(pl_module, example)
-                if forward > 0:
-                    self._flops_per_sample = training_flops_per_sample(forward, int(batch.shape[0]))
+            self._flops_per_sample = _measured_flops_per_sample(pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -179,6 +191,8 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
         self._last_end = self._now()  # the first fetch of the epoch (worker start-up included) is data wait
         self._images_pending = self.log_images
 
@@ -194,7 +208,8 @@ class TrainingMonitor(Callback):
         if self._images_pending:
             self._images_pending = False
             self._log_image_grid(trainer, batch)
-        self._batch_start = self._now()
+            now = self._now()  # writing the grid is neither data wait nor step time
+        self._batch_start = now
 
     @override
     def on_train_batch_end(
@@ -205,17 +220,19 @@ class TrainingMonitor(Callback):
         now = self._now()
         if self._batch_start is not None:
             self._win_step_s += now - self._batch_start
-        self._last_batch_size = self._batch_size(batch)
-        self._win_samples += self._last_batch_size
+        samples = self._batch_size(batch)
+        self._max_batch_size = max(self._max_batch_size, samples)
+        self._win_samples += samples
         self._win_batches += 1
         if self._win_batches >= self._interval:
             self._log_window(trainer)
             self._reset_window()
-        self._last_end = self._now()  # after our own logging, so it is not counted as data wait
+            now = self._now()  # after our own logging, so it is not counted as data wait
+        self._last_end = now
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
+        if trainer.is_global_zero and not trainer.sanity_checking:
             self._last_end = self._now()  # a mid-epoch validation is not data wait
 
     @override
@@ -312,28 +329,25 @@ class TrainingMonitor(Callback):
     def _log_image_grid(self, trainer: pl.Trainer, batch: Any) -> None:
         writer = _tensorboard_writer(trainer)
         images = _first_tensor(batch)
-        if writer is None or images is None or images.dim() != 4 or not images.is_floating_point():
+        if writer is None or images is None or images.dim() != 4 or images.shape[1] not in (1, 3):
             return
-        images = images[: self.num_images].detach().float().cpu()
-        if images.shape[1] not in (1, 3):
-            return
-        mean, std = self.mean, self.std
-        if mean is None:
-            mean, std = _datamodule_normalization(trainer)
-        if mean is not None and std is not None and len(mean) == images.shape[1]:
-            images = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
-            if max(mean) > 1.5:  # normalisation given in 0-255 units
-                images = images / 255.0
+        images = images[: self.num_images].detach().cpu()
+        if images.dtype == torch.uint8:
+            shown = images.float() / 255.0  # not normalised yet: the pixels as they are
+        elif images.is_floating_point():
+            shown = _denormalize(images.float(), *self._normalization(trainer))
         else:
-            low = images.amin(dim=(1, 2, 3), keepdim=True)
-            high = images.amax(dim=(1, 2, 3), keepdim=True)
-            images = (images - low) / (high - low).clamp_min(1e-12)
+            return
         from torchvision.utils import make_grid
 
-        grid = make_grid(
-            images.clamp(0.0, 1.0), nrow=max(1, math.ceil(math.sqrt(images.shape[0]))), padding=1
-        )
+        grid = make_grid(shown.clamp(0.0, 1.0), nrow=max(1, math.ceil(math.sqrt(shown.shape[0]))), padding=1)
         writer.add_image("samples/augmented", grid, trainer.global_step)
+
+    def _normalization(self, trainer: pl.Trainer) -> tuple[list[float] | None, list[float] | None]:
+        if self.mean is not None:
+            return self.mean, self.std
+        mean, std = _loader_normalization(trainer)
+        return (mean, std) if mean is not None else _datamodule_normalization(trainer)
 
     def _log_hparams(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params: dict[str, Any] = {}
@@ -344,7 +358,7 @@ class TrainingMonitor(Callback):
         params["trainer/strategy"] = type(trainer.strategy).__name__
         params["trainer/precision"] = str(trainer.precision)
         params["trainer/max_epochs"] = trainer.max_epochs if trainer.max_epochs is not None else -1
-        params["trainer/batch_size"] = self._last_batch_size
+        params["trainer/batch_size"] = self._max_batch_size  # the last batch of an epoch may be smaller
         config = _compile_config(trainer)
         if config is not None:
             for name in ("backend", "mode", "fullgraph", "dynamic", "regional", "fallback"):
@@ -366,7 +380,9 @@ class TrainingMonitor(Callback):
 
     def _now(self) -> float:
         if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)  # the clock must not run ahead of queued kernels
+            # The clock must not run ahead of queued kernels. Only the current stream: a loader
+            # preparing the next batch on a side stream keeps overlapping with this step.
+            torch.cuda.current_stream(self._device).synchronize()
         return time.perf_counter()
 
     def _batch_size(self, batch: Any) -> int:
@@ -438,6 +454,40 @@ def _tensorboard_writer(trainer: pl.Trainer) -> Any:
     return None
 
 
+def _measured_flops_per_sample(pl_module: pl.LightningModule) -> float | None:
+    """3x the forward FLOPs of ``example_input_array`` per sample; None (with a warning) when unavailable."""
+    example = getattr(pl_module, "example_input_array", None)
+    batch = _first_tensor(example)
+    if batch is None or batch.dim() == 0 or batch.shape[0] == 0:
+        return None
+    try:
+        forward = measure_forward_flops(pl_module, example)
+    except Exception as err:  # monitoring must not stop a run: no MFU is better than no training
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        warnings.warn(
+            f"TrainingMonitor: could not count FLOPs on {type(pl_module).__name__}.example_input_array "
+            f"({type(err).__name__}: {first_line}); perf/flops_per_sec and perf/mfu will not be logged. "
+            "Pass flops_per_sample=..., or measure_flops=False to silence this.",
+            stacklevel=3,
+        )
+        return None
+    return training_flops_per_sample(forward, int(batch.shape[0])) if forward > 0 else None
+
+
+def _loader_normalization(trainer: pl.Trainer) -> tuple[list[float] | None, list[float] | None]:
+    """Mean/std of the last normalising op in the train loader's ``pipeline`` (``DeviceLoader``)."""
+    try:
+        loader = trainer.train_dataloader
+    except Exception:  # no fit loop / loader yet
+        return None, None
+    ops = getattr(getattr(loader, "pipeline", None), "ops", None) or []
+    for op in reversed(list(ops)):
+        mean, std = getattr(op, "mean", None), getattr(op, "std", None)
+        if mean is not None and std is not None:
+            return [float(m) for m in mean], [float(s) for s in std]
+    return None, None
+
+
 def _datamodule_normalization(trainer: pl.Trainer) -> tuple[list[float] | None, list[float] | None]:
     datamodule = trainer.datamodule
     for mean_attr, std_attr in _NORMALIZATION_ATTRS:
@@ -445,6 +495,16 @@ def _datamodule_normalization(trainer: pl.Trainer) -> tuple[list[float] | None, 
         if mean is not None and std is not None:
             return [float(m) for m in mean], [float(s) for s in std]
     return None, None
+
+
+def _denormalize(images: torch.Tensor, mean: list[float] | None, std: list[float] | None) -> torch.Tensor:
+    """``x * std + mean`` (in [0, 1] units); without a usable mean/std, each image rescaled to [0, 1]."""
+    if mean is None or std is None or len(mean) not in (1, images.shape[1]) or len(std) != len(mean):
+        low = images.amin(dim=(1, 2, 3), keepdim=True)
+        high = images.amax(dim=(1, 2, 3), keepdim=True)
+        return (images - low) / (high - low).clamp_min(1e-12)
+    images = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
+    return images / 255.0 if max(mean) > 1.5 else images  # a mean above 1.5 is in 0-255 units
 
 
 def _plain(params: dict[str, Any]) -> dict[str, Any]:
@@ -461,4 +521,5 @@ def _plain(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _bullets(lines: list[str]) -> str:
-    return "\n".join(f"- {line}" for line in lines)
+    """A markdown list; dynamo's reasons span several lines, kept inside their item by indenting."""
+    return "\n".join("- " + line.strip().replace("\n", "\n  ") for line in lines)

@@ -36,6 +36,10 @@ class NonFiniteLossGuard(Callback):
             weights alone, and ends ``fit`` gracefully.
         check_every_n_steps: check one step in N. Each check reads one scalar back from the
             device (a sync); a skipped NaN is caught at the next check, which names that step.
+            Under DDP each check also gathers every rank's verdict (one tiny collective), so
+            all ranks stop together: a rank that raised alone would leave the others waiting
+            in the gradient all-reduce, and one that skipped its update alone would leave the
+            ranks with different weights.
         check_grads: also check every gradient before the optimizer step and name the first
             non-finite parameter. Skipped when a ``GradScaler`` is active (fp16 AMP), whose
             overflow steps are expected and handled by the scaler.
@@ -76,9 +80,14 @@ class NonFiniteLossGuard(Callback):
     ) -> None:
         if not self._due(trainer) or not isinstance(loss, torch.Tensor):
             return
-        if bool(torch.isfinite(loss.detach()).all()):
+        finite = bool(torch.isfinite(loss.detach()).all())
+        bad_ranks = _ranks_with_bad_loss(trainer, not finite, loss.device)
+        if not bad_ranks:
             return
-        self._detected(trainer, f"the training loss is {_describe(loss)}")
+        what = f"the training loss is {_describe(loss)}" if not finite else "the training loss is non-finite"
+        if trainer.world_size > 1:
+            what += f" on rank(s) {bad_ranks}"
+        self._detected(trainer, what)
 
     @override
     def on_before_optimizer_step(
@@ -121,6 +130,14 @@ class NonFiniteLossGuard(Callback):
             message + " Stopping: this step's update is skipped (NonFiniteLossGuard(action='stop')).",
             stacklevel=2,
         )
+
+
+def _ranks_with_bad_loss(trainer: pl.Trainer, bad: bool, device: torch.device) -> list[int]:
+    """The global ranks whose loss is non-finite (every rank gets the same list)."""
+    if trainer.world_size == 1:
+        return [0] if bad else []
+    flags = trainer.strategy.all_gather(torch.tensor([int(bad)], device=device))
+    return [int(rank) for rank in torch.nonzero(flags.reshape(-1)).reshape(-1).tolist()]
 
 
 def _describe(tensor: torch.Tensor) -> str:

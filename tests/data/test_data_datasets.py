@@ -120,3 +120,163 @@ def test_digits_split_is_stratified_deterministic_and_disjoint():
         assert counts.min() > 0 and (counts / counts.sum() - 0.1).abs().max() < 0.03
     x, y = next(iter(dm.test_dataloader()))
     assert x.shape == (32, 3, 32, 32) and dm.mean == (0.5,) * 3
+
+
+# ----------------------------------------------------------------------------------------- unreadable, zips, progress
+def test_unreadable_file_is_named_or_skipped(tmp_path):
+    _write_folder(tmp_path, [(12, 12)])
+    (tmp_path / "train" / "cat" / "gone.jpg").symlink_to(tmp_path / "does-not-exist.jpg")  # open() fails
+    with pytest.raises(CorruptImageError, match="cannot read image file .*gone.jpg"):
+        load_image_folder(str(tmp_path), "train")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        assert len(load_image_folder(str(tmp_path), "train", on_corrupt="skip")) == 2
+
+
+def test_not_a_zip_says_so(tmp_path):
+    bad = tmp_path / "data.zip"
+    bad.write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(ValueError, match="is not a zip file"):
+        load_image_folder(str(bad), "train")
+    with pytest.raises(ValueError, match="is not a zip file"):
+        ImageFolderDataModule(str(bad))
+
+
+def test_progress_bar_only_for_slow_builds(tmp_path, monkeypatch, capsys):
+    import time
+
+    import vision.data.datasets as ds
+
+    _write_folder(tmp_path, [(8, 8)] * 4)
+    load_image_folder(str(tmp_path), "train")
+    assert "decoding" not in capsys.readouterr().err  # quick: no bar
+    monkeypatch.setattr(ds, "PROGRESS_DELAY_S", 0.05)
+    real_decode = ds.decode_image_bytes
+
+    def slow_decode(data, name):
+        time.sleep(0.03)
+        return real_decode(data, name)
+
+    monkeypatch.setattr(ds, "decode_image_bytes", slow_decode)
+    load_image_folder(str(tmp_path), "train", num_threads=1)
+    err = capsys.readouterr().err
+    assert "decoding" in err and "/8 [" in err  # the bar appeared (and was cleared at the end)
+
+
+# ----------------------------------------------------------------------------------------- encoded storage
+def _encoded_folder(tmp_path):
+    _write_folder(tmp_path, [(40, 60), (50, 30), (33, 33), (20, 25)])  # JPEG and PNG, 4 sizes
+    return str(tmp_path)
+
+
+def test_encoded_loader_decodes_each_batch_like_decoding_up_front(tmp_path):
+    import torchvision.io as tio
+
+    from vision.data import DeviceLoader, Pipeline, Resize
+    from vision.data.datasets import list_image_folder
+
+    root = _encoded_folder(tmp_path)
+    enc = list_image_folder(root, "train")
+    assert len(enc) == 8 and enc.class_names == ["cat", "dog"]
+    loader = DeviceLoader(enc, enc.targets, 3, Pipeline([Resize(16)], channels_last=False), shuffle=True,
+                          seed=0, decode_threads=2)
+    seen = []
+    for b, (x, y) in zip(loader.epoch_batches(0), loader):
+        for i, img in zip(b.tolist(), x):
+            ref = tio.decode_image(enc.sources[i], mode=tio.ImageReadMode.RGB)
+            ref = Resize(16).apply(ref[None], Resize(16).sample(1, ref.shape[1], ref.shape[2], None))[0]
+            torch.testing.assert_close(img, ref, atol=1e-3, rtol=0)  # canvas size changes float rounding
+        assert torch.equal(y, enc.targets[b])
+        seen += b.tolist()
+    assert sorted(seen) == list(range(8))
+
+
+def test_encoded_loader_needs_a_resizing_first_op_and_handles_corrupt_files(tmp_path):
+    from vision.data import DeviceLoader, HorizontalFlip, Pipeline, Resize
+    from vision.data.datasets import list_image_folder
+
+    root = _encoded_folder(tmp_path)
+    (tmp_path / "train" / "dog" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff but not a jpeg")
+    enc = list_image_folder(root, "train")
+    with pytest.raises(ValueError, match="must start with RandomResizedCrop, Resize or ResizeCenterCrop"):
+        DeviceLoader(enc, enc.targets, 4, Pipeline([HorizontalFlip()]))
+    with pytest.raises(CorruptImageError, match="zz_broken.jpg"):
+        list(DeviceLoader(enc, enc.targets, 4, Pipeline([Resize(8)]), shuffle=False))
+    loader = DeviceLoader(enc, enc.targets, 3, Pipeline([Resize(8)]), shuffle=False, on_corrupt="skip")
+    with pytest.warns(UserWarning, match="skipped 1 corrupt"):
+        sizes = [len(y) for _, y in loader]
+    assert sizes == [3, 3, 2] and loader.skipped == 1  # the batch with the broken file is one smaller
+
+
+def test_image_folder_datamodule_encoded_storage_from_zip(cifar_zip):
+    dm = ImageFolderDataModule(cifar_zip, image_size=24, batch_size=10, storage="encoded", val_split="test",
+                               limit_per_class=2, num_workers=2)
+    assert dm.num_classes == 10
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (10, 3, 24, 24) and x.is_contiguous(memory_format=torch.channels_last)
+    xv, _ = next(iter(dm.val_dataloader()))
+    assert xv.shape == (10, 3, 24, 24) and -3 < xv.mean().item() < 3
+    with pytest.raises(ValueError, match="storage"):
+        ImageFolderDataModule(cifar_zip, storage="lmdb")  # type: ignore[arg-type]
+
+
+def test_cifar_from_torchvision_is_stored_as_uint8_nchw(monkeypatch, tmp_path):
+    """The torchvision path (download=True for users) without downloading: a stand-in with CIFAR10's fields."""
+    import torchvision
+
+    rng = np.random.default_rng(0)
+    arrays = {True: rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8),  # NHWC, like torchvision's CIFAR10
+              False: rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8)}
+
+    class FakeCIFAR10:
+        classes = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+        def __init__(self, root, train, download):
+            self.data = arrays[train]
+            self.targets = [i % 10 for i in range(len(self.data))]
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
+    dm = CIFAR10DataModule(root=str(tmp_path), batch_size=10, num_workers=1)
+    dm.setup("fit")
+    train = dm._splits["train"]
+    assert train.images.shape == (30, 3, 32, 32) and train.images.dtype == torch.uint8
+    assert torch.equal(train.images[4].permute(1, 2, 0), torch.from_numpy(arrays[True][4]))  # pixel (y, x, c)
+    assert train.targets.tolist() == [i % 10 for i in range(30)] and len(dm._splits["val"]) == 20
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (10, 3, 32, 32) and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_datamodule_shards_by_the_trainer_rank():
+    from types import SimpleNamespace
+
+    seen = []
+    for rank in range(3):
+        dm = DigitsDataModule(batch_size=16, image_size=8)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_rank=rank,
+                                     world_size=3)
+        loader = dm.val_dataloader()
+        assert (loader.rank, loader.world_size, loader.uneven) == (rank, 3, "exact")
+        seen.append(torch.cat([b[0][:, 0].flatten(1).sum(1) for b in loader]))
+    total = sum(len(s) for s in seen)
+    assert total == len(dm._splits["val"])  # every validation sample exactly once across the 3 ranks
+
+
+def test_batched_jpeg_decode_failure_names_or_skips_the_corrupt_file(tmp_path):
+    """The nvJPEG path's fallback, exercised with torchvision's batched decode on the CPU."""
+    from vision.data import DeviceLoader, Pipeline, Resize
+    from vision.data.datasets import list_image_folder
+
+    root = _encoded_folder(tmp_path)
+    (tmp_path / "train" / "dog" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff but not a jpeg")
+    enc = list_image_folder(root, "train")
+    blobs = [enc.read(i) for i in range(len(enc))]
+    jpeg_ids = [i for i, b in enumerate(blobs) if b[:3] == b"\xff\xd8\xff"]
+    for mode in ("raise", "skip"):
+        loader = DeviceLoader(enc, enc.targets, 4, Pipeline([Resize(8)]), on_corrupt=mode)
+        call = lambda: loader._decode_jpegs_on_device([blobs[i] for i in jpeg_ids], torch.tensor(jpeg_ids))  # noqa
+        if mode == "raise":
+            with pytest.raises(CorruptImageError, match="zz_broken.jpg"):
+                call()
+        else:
+            out = call()
+            assert [o is None for o in out] == [enc.sources[i].endswith("zz_broken.jpg") for i in jpeg_ids]

@@ -21,7 +21,7 @@ def _ident_pipeline():
 
 
 def _ids(batch):
-    return batch[1].new_tensor(batch[0][:, 0, 0, 0].round().long())
+    return batch[0][:, 0, 0, 0].round().long()
 
 
 def _aug_pipeline():
@@ -165,3 +165,154 @@ def test_trainer_resume_mid_epoch_sees_same_remaining_batches(tmp_path):
     assert [(e, i) for e, i, *_ in resumed] == [(e, i) for e, i, *_ in expected]
     for (_, _, s1, y1), (_, _, s2, y2) in zip(resumed, expected):
         assert y1 == y2 and abs(s1 - s2) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------- exact DDP sharding
+@pytest.mark.parametrize("n,world,bs,drop_last", [(103, 4, 5, False), (100, 4, 5, False), (101, 4, 25, False),
+                                                  (9, 4, 2, False), (4, 4, 3, False), (103, 4, 5, True),
+                                                  (50, 3, 7, False)])
+def test_exact_sharding_sees_every_sample_exactly_once_with_equal_steps(n, world, bs, drop_last):
+    x, y = _data(n)
+    per_rank = []
+    for rank in range(world):
+        loader = DeviceLoader(x, y, bs, _ident_pipeline(), seed=2, rank=rank, world_size=world, drop_last=drop_last)
+        assert loader.uneven == "exact"  # the default
+        per_rank.append([_ids(b) for b in loader])
+    steps = {len(batches) for batches in per_rank}
+    assert steps == {len(DeviceLoader(x, y, bs, _ident_pipeline(), rank=0, world_size=world, drop_last=drop_last))}
+    assert len(steps) == 1  # the same number of steps on every rank: DDP cannot hang
+    ids = torch.cat([b for batches in per_rank for b in batches])
+    assert ids.unique().numel() == ids.numel()  # disjoint: nothing twice
+    if not drop_last:
+        assert torch.equal(torch.sort(ids).values, torch.arange(n))  # everything once
+    sizes = [b.numel() for batches in per_rank for b in batches]
+    assert min(sizes) >= 1 and max(sizes) <= bs + 1
+
+
+def test_exact_sharding_needs_one_sample_per_rank():
+    x, y = _data(3)
+    with pytest.raises(ValueError, match="uneven='pad'"):
+        DeviceLoader(x, y, 2, _ident_pipeline(), rank=0, world_size=4)
+    assert len(DeviceLoader(x, y, 2, _ident_pipeline(), rank=3, world_size=4, uneven="pad")) == 1
+
+
+# ----------------------------------------------------------------------------------------- passes and epochs
+def test_each_pass_is_a_new_epoch_and_iter_alone_changes_nothing():
+    x, y = _data(40)
+    loader = DeviceLoader(x, y, 8, _ident_pipeline(), seed=1)
+    it = iter(loader)  # Lightning calls iter() once only to check the loader; that must not start a pass
+    del it
+    first = [_ids(b) for b in loader]
+    assert loader.epoch == 0 and loader.position == 5
+    ref = DeviceLoader(x, y, 8, _ident_pipeline(), seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(first, [_ids(b) for b in ref]))
+    partial = iter(loader)
+    next(partial)  # an abandoned pass still counts: the next one is a new epoch
+    assert loader.epoch == 1
+    second = [_ids(b) for b in loader]
+    assert loader.epoch == 2 and len(second) == 5
+    loader.set_epoch(7)
+    assert torch.equal(torch.cat([_ids(b) for b in loader]), loader.epoch_indices(7)) and loader.epoch == 7
+
+
+def test_state_saved_at_the_end_of_an_epoch_resumes_at_the_next_one():
+    x, y = _data(40)
+    loader = DeviceLoader(x, y, 8, _aug_pipeline(), seed=3)
+    list(loader)
+    state = loader.state_dict()
+    ref = list(loader)  # epoch 1
+    resumed = DeviceLoader(x, y, 8, _aug_pipeline(), seed=3)
+    resumed.load_state_dict(state)
+    got = list(resumed)
+    assert resumed.epoch == 1 and all(torch.equal(a[0], b[0]) for a, b in zip(got, ref))
+
+
+def test_host_store_path_gives_the_same_batches_as_the_resident_one():
+    x, y = _data()
+    a = list(DeviceLoader(x, y, 16, _aug_pipeline(), seed=4, resident=True))
+    b = list(DeviceLoader(x, y, 16, _aug_pipeline(), seed=4, resident=False))
+    assert all(torch.equal(u[0], v[0]) and torch.equal(u[1], v[1]) for u, v in zip(a, b))
+
+
+def test_targets_must_be_class_indices():
+    x, _ = _data(8)
+    loader = DeviceLoader(x, torch.arange(8).float(), 4, _ident_pipeline())  # whole-number floats are fine
+    assert next(iter(loader))[1].dtype == torch.int64
+    with pytest.raises(TypeError, match="non-integral"):
+        DeviceLoader(x, torch.rand(8), 4, _ident_pipeline())
+    with pytest.raises(TypeError, match="torch.bool"):
+        DeviceLoader(x, torch.ones(8, dtype=torch.bool), 4, _ident_pipeline())
+    with pytest.raises(TypeError, match="tensor of class indices"):
+        DeviceLoader(x, list(range(8)), 4, _ident_pipeline())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="uneven"):
+        DeviceLoader(x, torch.arange(8), 4, _ident_pipeline(), uneven="wrap")  # type: ignore[arg-type]
+
+
+class _ValModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3 * 8 * 8, 10)
+        self.seen: list = []
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0].flatten(1)), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append((self.trainer.sanity_checking, batch[0].double().sum(dim=(1, 2, 3))))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_validation_after_the_sanity_check_sees_every_sample():
+    """Regression: the sanity check's 2 batches used to shift the first real validation pass."""
+    dm = DigitsDataModule(batch_size=32, image_size=8)
+    model = _ValModule()
+    pl.Trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=2, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(model, dm)
+    real = torch.cat([s for sanity, s in model.seen if not sanity])
+    expected = torch.cat([b[0].double().sum(dim=(1, 2, 3)) for b in dm.val_dataloader()])
+    assert len([1 for sanity, _ in model.seen if sanity]) == 2
+    assert torch.equal(real, expected)
+
+
+# ----------------------------------------------------------------------------------------- CUDA (skipped on CPU)
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident", [True, False], ids=["on-device store", "pinned host store + side stream"])
+def test_cuda_loader_gives_the_cpu_batches(resident):
+    x, y = _data()
+    cpu = list(DeviceLoader(x, y, 16, _aug_pipeline(), seed=6))
+    loader = DeviceLoader(x, y, 16, _aug_pipeline(), seed=6, device="cuda", resident=resident)
+    assert loader.resident is resident
+    for (a, ta), (b, tb) in zip(cpu, loader):
+        assert b.is_cuda and tb.is_cuda and b.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(b.cpu(), a, atol=1e-5, rtol=0)
+        assert torch.equal(tb.cpu(), ta)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_encoded_loader_decodes_jpegs_with_nvjpeg(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from vision.data import Resize
+    from vision.data.datasets import list_image_folder
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (tmp_path / "train" / c).mkdir(parents=True)
+        for i, (h, w) in enumerate([(40, 52), (64, 48), (30, 30)]):
+            img = (rng.random((h, w, 3)) * 60 + np.linspace(0, 180, w)[None, :, None]).astype(np.uint8)
+            Image.fromarray(img).save(tmp_path / "train" / c / f"{i}.{'png' if i == 2 else 'jpg'}", quality=95)
+    enc = list_image_folder(str(tmp_path), "train")
+    pipe = Pipeline([Resize(24)], channels_last=False)
+    cpu = list(DeviceLoader(enc, enc.targets, 4, pipe, seed=0))
+    gpu = list(DeviceLoader(enc, enc.targets, 4, pipe, seed=0, device="cuda"))
+    for (a, ta), (b, tb) in zip(cpu, gpu):
+        assert torch.equal(ta, tb.cpu())
+        assert (a - b.cpu()).abs().mean() < 2.0  # nvJPEG and libjpeg differ by IDCT rounding only

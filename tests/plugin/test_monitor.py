@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -140,6 +141,8 @@ def test_perf_scalars_are_plausible(runs) -> None:
     wait = _values(acc, "perf/data_wait_fraction")
     speed = _values(acc, "perf/samples_per_sec")
     assert len(step_ms) == len(wait) == len(speed) == 10  # 5 batches x 2 epochs, logged every step
+    # Training steps 1..10 only: the sanity check (num_sanity_val_steps=1) logs nothing.
+    assert [e.step for e in acc.Scalars("perf/step_time_ms")] == list(range(1, 11))
     assert all(ms >= 1e3 * STEP_SLEEP_S for ms in step_ms)  # the sleep inside training_step is in the step
     # Full batches wait ~32 ms for data against a ~10-20 ms step: most of the time is data wait.
     steady = [w for i, w in enumerate(wait) if i not in (0, 4, 5, 9)]
@@ -216,6 +219,7 @@ def test_hparams_tab_has_params_and_final_metrics(runs) -> None:
     assert hparams["lr"].number_value == pytest.approx(0.1)
     assert hparams["compile/backend"].string_value == "eager"
     assert hparams["data/delay"].number_value == pytest.approx(DATA_DELAY_S)
+    assert hparams["trainer/batch_size"].number_value == BATCH  # not the smaller last batch (4)
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
     metric_tags = {m.name.tag for m in experiment.experiment.metric_infos}
     assert {"final/val_loss", "final/train_loss", "final/compile_graphs"} <= metric_tags
@@ -246,7 +250,7 @@ def _get_json(url: str):
         return json.loads(response.read())
 
 
-def test_tensorboard_server_lists_runs_and_scalars(runs) -> None:
+def test_tensorboard_server_lists_runs_and_scalars(runs, tmp_path) -> None:
     port = _free_port()
     cmd = [
         sys.executable,
@@ -263,14 +267,15 @@ def test_tensorboard_server_lists_runs_and_scalars(runs) -> None:
         "--reload_interval",
         "1",
     ]
+    log = open(tmp_path / "tensorboard.log", "wb")  # noqa: SIM115  (closed in finally)
     server = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline, tags, run_names = time.monotonic() + 90, {}, []
         while time.monotonic() < deadline:
-            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()[-2000:]
             try:
                 run_names = _get_json(f"{base}/data/runs")
                 tags = _get_json(f"{base}/data/plugin/scalars/tags")
@@ -284,6 +289,8 @@ def test_tensorboard_server_lists_runs_and_scalars(runs) -> None:
         assert "compile/graphs" in tags["compiled/version_0"]
         series = _get_json(f"{base}/data/plugin/scalars/scalars?run=compiled/version_0&tag=perf/step_time_ms")
         assert len(series) == 10 and all(point[2] > 0 for point in series)  # [wall_time, step, value]
+        local = [e.value for e in _events(runs["compiled"]).Scalars("perf/step_time_ms")]
+        assert [point[2] for point in series] == pytest.approx(local)  # the server serves our event file
     finally:
         server.terminate()
         try:
@@ -291,6 +298,8 @@ def test_tensorboard_server_lists_runs_and_scalars(runs) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+        log.close()
+    assert server.returncode is not None  # the server is gone: nothing left listening on the port
 
 
 def test_compile_metrics_from_the_torch_compile_callback(tmp_path) -> None:
@@ -314,3 +323,205 @@ def test_compile_metrics_from_the_torch_compile_callback(tmp_path) -> None:
     acc = _events(Path(logger.log_dir))
     assert _values(acc, "compile/graphs")[-1] >= 1
     assert not acc.Tags()["images"]  # log_images=False
+
+
+# ----------------------------------------------------------------------------- exact metrics, mocked clock
+
+
+class _RecordingLogger:
+    """Stands in for a Lightning logger: keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append((step, dict(metrics)))
+
+
+def _fake_trainer(is_global_zero: bool = True, device: str = "cuda") -> SimpleNamespace:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01)
+    return SimpleNamespace(
+        is_global_zero=is_global_zero,
+        loggers=[_RecordingLogger()],
+        log_every_n_steps=50,
+        global_step=0,
+        optimizers=[optimizer],
+        strategy=SimpleNamespace(
+            root_device=torch.device(device, 0) if device == "cuda" else torch.device(device)
+        ),
+        callbacks=[],
+        precision_plugin=None,
+        datamodule=None,
+        sanity_checking=False,
+        callback_metrics={},
+    )
+
+
+@pytest.mark.parametrize("rank_zero", [True, False])
+def test_exact_metrics_with_a_mocked_clock_and_device(monkeypatch, rank_zero: bool) -> None:
+    """Every clock read follows a sync of the device's current stream; the window averages are exact."""
+    import lightning_plugin.callbacks.monitor as monitor_module
+
+    events: list[str] = []
+    ticks = iter([0.0, 1.0, 1.5, 1.75, 2.5, 2.6, 9.0])
+
+    def clock() -> float:
+        events.append("clock")
+        return next(ticks)
+
+    stream = SimpleNamespace(synchronize=lambda: events.append("sync"))
+    monkeypatch.setattr(monitor_module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 29)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1 << 31)
+
+    flops_per_sample, peak = 5e9, 1e11
+    monitor = TrainingMonitor(
+        log_every_n_steps=2, flops_per_sample=flops_per_sample, peak_flops=peak, log_images=False
+    )
+    trainer, module = _fake_trainer(is_global_zero=rank_zero), nn.Linear(1, 1)
+    batch = (torch.zeros(4, 3, 2, 2), torch.zeros(4))
+    monitor.setup(trainer, module, "fit")
+    monitor.on_fit_start(trainer, module)
+    monitor.on_train_epoch_start(trainer, module)  # clock 0.0: the epoch's first fetch starts
+    for step in (1, 2):  # start/end at 1.0/1.5, then 1.75/2.5; 2.6 after the window is logged
+        monitor.on_train_batch_start(trainer, module, batch, step - 1)
+        trainer.global_step = step
+        monitor.on_train_batch_end(trainer, module, None, batch, step - 1)
+    calls = trainer.loggers[0].calls
+    if not rank_zero:
+        assert calls == [] and "sync" not in events  # other ranks neither log nor pay for syncs
+        return
+    assert events[-2:] == ["sync", "clock"] and len(events) == 12
+    assert all(events[i - 1] == "sync" for i, e in enumerate(events) if e == "clock")
+    assert len(calls) == 1 and calls[0][0] == 2
+    metrics = calls[0][1]
+    step_s, wait_s = 0.5 + 0.75, 1.0 + 0.25
+    assert metrics["perf/step_time_ms"] == pytest.approx(1e3 * step_s / 2)
+    assert metrics["perf/data_wait_fraction"] == pytest.approx(wait_s / (step_s + wait_s))
+    assert metrics["perf/samples_per_sec"] == pytest.approx(8 / (step_s + wait_s))
+    assert metrics["perf/flops_per_sec"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s))
+    assert metrics["perf/mfu"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s) / peak)
+    assert metrics["memory/allocated_gib"] == 1.0
+    assert metrics["memory/reserved_gib"] == 1.5
+    assert metrics["memory/peak_gib"] == 2.0
+    assert metrics["optim/lr"] == pytest.approx(0.01)
+
+
+def test_uint8_batches_are_shown_as_they_are(tmp_path) -> None:
+    logger = TensorBoardLogger(str(tmp_path), name="u8", version=0)
+    trainer = _fake_trainer(device="cpu")
+    trainer.loggers = [logger]
+    images = torch.randint(
+        0, 256, (4, 3, 5, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    monitor = TrainingMonitor(num_images=4)
+    monitor.on_train_epoch_start(trainer, None)
+    monitor.on_train_batch_start(trainer, None, (images, torch.zeros(4)), 0)
+    logger.experiment.flush()
+    grid = _decode(_events(Path(logger.log_dir)).Images("samples/augmented")[0])
+    assert torch.allclose(grid, make_grid(images.float() / 255, nrow=2, padding=1), atol=0.5 / 255)
+
+
+def _decode(image_event) -> torch.Tensor:
+    import numpy as np
+
+    array = np.array(Image.open(io.BytesIO(image_event.encoded_image_string)))
+    return torch.from_numpy(array).permute(2, 0, 1).float()[:3] / 255.0
+
+
+# ----------------------------------------------------------------------------- real runs: edge cases
+
+
+def _quick_fit(
+    tmp_path: Path, module: pl.LightningModule, strategy="auto", datamodule=None, **monitor_kwargs
+):
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        strategy=strategy,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[TrainingMonitor(**monitor_kwargs)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=datamodule or ImageData(delay=0.0))
+    return _events(Path(logger.log_dir))
+
+
+class WithGraphBreak(TinyCNN):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.relu(self.conv(x)).mean(dim=(2, 3))
+        torch._dynamo.graph_break()
+        return self.head(features)
+
+
+def test_graph_breaks_and_their_reasons_are_logged(tmp_path) -> None:
+    acc = _quick_fit(
+        tmp_path, WithGraphBreak(step_sleep=0.0), CompiledStrategy(backend="eager"), log_images=False
+    )
+    assert _values(acc, "compile/graph_breaks")[-1] >= 1
+    assert _values(acc, "compile/graphs")[-1] >= 2  # the break splits forward in two
+    text = acc.Tensors("compile/break_reasons/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert text.startswith("- ") and "torch._dynamo.graph_break()" in text, text
+
+
+class BadExample(TinyCNN):
+    def __init__(self) -> None:
+        super().__init__(step_sleep=0.0)
+        self.example_input_array = torch.zeros(2, 5, SIDE, SIDE)  # 5 channels: the conv wants 3
+
+
+def test_flop_measurement_failure_warns_and_training_goes_on(tmp_path) -> None:
+    with pytest.warns(
+        UserWarning, match=r"could not count FLOPs on BadExample.example_input_array \(RuntimeError"
+    ):
+        acc = _quick_fit(tmp_path, BadExample(), log_images=False)
+    tags = acc.Tags()["scalars"]
+    assert "perf/samples_per_sec" in tags and "perf/mfu" not in tags and "perf/flops_per_sec" not in tags
+
+
+class DigitsCNN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_grid_is_denormalised_with_the_loader_pipeline(tmp_path) -> None:
+    """The grid undoes the DeviceLoader pipeline's Normalize, not the datamodule's default mean/std."""
+    from vision.data import DigitsDataModule, Normalize, Pipeline, RandomTranslate
+
+    mean, std = (0.2, 0.3, 0.4), (0.5, 0.6, 0.7)
+
+    def datamodule() -> DigitsDataModule:
+        pipeline = Pipeline([RandomTranslate(1), Normalize(mean, std)])
+        return DigitsDataModule(batch_size=16, image_size=8, train_pipeline=pipeline)
+
+    assert datamodule().mean != mean  # the datamodule's class attribute would give a different picture
+    acc = _quick_fit(tmp_path, DigitsCNN(), datamodule=datamodule(), num_images=4, measure_flops=False)
+    reference = datamodule()
+    loader = reference.train_dataloader()
+    loader.set_epoch(0)
+    first = next(iter(loader))[0][:4]
+    expected = first * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    grid = _decode(acc.Images("samples/augmented")[0])
+    assert torch.allclose(grid, make_grid(expected.clamp(0, 1), nrow=2, padding=1), atol=1.5 / 255)

@@ -19,7 +19,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_plugin import CompileConfig, CompiledDDPStrategy, CompiledStrategy
-from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard, TrainingMonitor
+from lightning_plugin.callbacks import (
+    FaultTolerantCheckpoint,
+    NonFiniteLossGuard,
+    TorchCompile,
+    TrainingMonitor,
+)
 
 
 def _trainer(**kw: Any) -> pl.Trainer:
@@ -122,6 +127,26 @@ PLUGIN_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
         r"config must be a CompileConfig, got str",
     ),
     (
+        "regional not bool",
+        lambda: CompiledStrategy(regional=1),
+        TypeError,
+        r"CompileConfig.regional must be a bool, got 1",
+    ),
+    (
+        "compile callback unknown setting",
+        lambda: TorchCompile(fast=True),
+        TypeError,
+        r"TorchCompile got unknown compile setting\(s\) \['fast'\]",
+    ),
+    (
+        "compile callback under compiled strategy",
+        lambda: _trainer(strategy="compiled", callbacks=[TorchCompile(backend="eager")], max_steps=1).fit(
+            _Net(), _loader()
+        ),
+        ValueError,
+        r"TorchCompile is for strategies that do not compile; CompiledStrategy already compiles the module",
+    ),
+    (
         "ddp unknown backend",
         lambda: CompiledDDPStrategy(backend="nope"),
         ValueError,
@@ -170,6 +195,18 @@ PLUGIN_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
         r"num_images must be a positive int",
     ),
     (
+        "monitor log_images not bool",
+        lambda: TrainingMonitor(log_images="yes"),
+        TypeError,
+        r"TrainingMonitor: log_images must be a bool, got 'yes'",
+    ),
+    (
+        "monitor batch_size_fn not callable",
+        lambda: TrainingMonitor(batch_size_fn=8),
+        TypeError,
+        r"TrainingMonitor: batch_size_fn must be callable or None, got 8",
+    ),
+    (
         "guard action",
         lambda: NonFiniteLossGuard(action="ignore"),
         ValueError,
@@ -213,6 +250,42 @@ VISION_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
         lambda: _recipes().get_recipe("cifar10-resnet18", bogus=1),
         ValueError,
         r"recipe 'cifar10-resnet18' has no field 'bogus'",
+    ),
+    (
+        "recipe epochs 0",
+        lambda: _recipes().get_recipe("cifar10-resnet18", epochs=0),
+        ValueError,
+        r"recipe 'cifar10-resnet18': epochs must be >= 1, got 0",
+    ),
+    (
+        "recipe tta",
+        lambda: _recipes().get_recipe("cifar10-resnet18", tta="rotate"),
+        ValueError,
+        r"tta must be one of \['none', 'flip', 'flip_translate'\], got 'rotate'",
+    ),
+    (
+        "recipe augment value",
+        lambda: _recipes().get_recipe("cifar10-resnet18", augment={"flip": "sometimes"}),
+        ValueError,
+        r"augment.flip must be 'none', 'random' or 'alternating', got 'sometimes'",
+    ),
+    (
+        "recipe augment field",
+        lambda: _recipes().get_recipe("cifar10-resnet18", augment={"rotate": 10}),
+        ValueError,
+        r"cifar10-resnet18.augment: unknown field\(s\) \['rotate'\]",
+    ),
+    (
+        "recipe compile setting",
+        lambda: _recipes().get_recipe("cifar10-resnet18", compile={"turbo": True}),
+        ValueError,
+        r"recipe 'cifar10-resnet18': unknown compile settings \['turbo'\]",
+    ),
+    (
+        "recipe ema and lookahead",
+        lambda: _recipes().get_recipe("cifar10-resnet18", ema_decay=0.99, lookahead=True),
+        ValueError,
+        r"ema_decay and lookahead both set",
     ),
     (
         "model name",
@@ -268,9 +341,13 @@ VISION_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 ]
 
 
-def _conv(x_shape=(1, 3, 5, 5), w_shape=(4, 3, 3, 3), channels_last=True, **kw: Any) -> Any:
-    from kernels.conv_ops import conv2d_fused
+def conv2d_fused(*args: Any, **kw: Any) -> Any:
+    from kernels.conv_ops import conv2d_fused as op
 
+    return op(*args, **kw)
+
+
+def _conv(x_shape=(1, 3, 5, 5), w_shape=(4, 3, 3, 3), channels_last=True, **kw: Any) -> Any:
     x = torch.randn(*x_shape)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -308,9 +385,12 @@ KERNEL_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
     ("conv string padding", lambda: _conv(padding="same"), ValueError, r"padding='same': string padding"),
     (
         "conv int dtype",
-        lambda: _conv(weight=torch.ones(4, 3, 3, 3, dtype=torch.int32), x_shape=(1, 3, 5, 5)),
+        lambda: conv2d_fused(
+            torch.ones(1, 3, 5, 5, dtype=torch.int32).contiguous(memory_format=torch.channels_last),
+            torch.ones(4, 3, 3, 3, dtype=torch.int32),
+        ),
         TypeError,
-        r"dtype",
+        r"x has dtype torch.int32; supported dtypes are float32, float16, bfloat16",
     ),
     (
         "conv dtype mismatch",
@@ -331,7 +411,31 @@ KERNEL_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
         TypeError,
         r"stride must be an int or a pair of ints, got True",
     ),
+    (
+        "fused bn activation",
+        lambda: _fused_norm().FusedBatchNormAct(4, activation="tanh"),
+        ValueError,
+        r"unknown activation 'tanh'; expected one of \('none', 'relu', 'gelu', 'silu'\)",
+    ),
+    (
+        "fused bn from non-bn",
+        lambda: _fused_norm().FusedBatchNormAct.from_module(nn.Linear(2, 2)),
+        TypeError,
+        r"from_module expects nn.BatchNorm2d, got Linear",
+    ),
+    (
+        "fused bn unfusable activation",
+        lambda: _fused_norm().FusedBatchNormAct.from_module(nn.BatchNorm2d(2), nn.Tanh()),
+        ValueError,
+        r"activation Tanh cannot be fused",
+    ),
 ]
+
+
+def _fused_norm() -> Any:
+    import kernels.fused_norm
+
+    return kernels.fused_norm
 
 
 def _module(**kw: Any) -> Any:
@@ -521,8 +625,8 @@ DATA_CASES: list[tuple[str, Callable[[Any], Any], type[BaseException], str]] = [
     (
         "not a zip file",
         lambda r: _vd().load_image_folder(_folder(r, "garbage.zip"), "train"),
-        Exception,
-        r"not a zip file",
+        ValueError,
+        r"'.*garbage\.zip' is not a zip file \(File is not a zip file\); pass a folder or a zip",
     ),
     (
         "on_corrupt value",

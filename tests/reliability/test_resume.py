@@ -168,7 +168,34 @@ def test_clean_finish_removes_the_interrupt_checkpoint(tmp_path) -> None:
     assert not os.path.exists(saver.ckpt_path)
 
 
+def test_rerun_without_ckpt_path_resumes_from_the_interrupt_checkpoint(tmp_path, uninterrupted) -> None:
+    """Lightning resumes from an OnExceptionCheckpoint's file when ``fit`` gets no ``ckpt_path``: rerunning
+    the same command after a crash continues where it stopped; the file goes after the clean finish."""
+    with pytest.raises(RuntimeError, match="injected failure"):
+        make_trainer(tmp_path, [FaultTolerantCheckpoint(tmp_path)]).fit(
+            fresh_model(fail_at_step=7), ResumableBatches()
+        )
+    saver = FaultTolerantCheckpoint(tmp_path)
+    assert os.path.exists(saver.ckpt_path)
+    model = fresh_model(seed=123)  # a fresh start from this init would end with other weights
+    make_trainer(tmp_path, [saver]).fit(model, ResumableBatches())
+    _assert_same_weights(_state(model), uninterrupted)
+    assert not os.path.exists(saver.ckpt_path)
+
+
+def test_warns_when_the_loader_cannot_resume_mid_epoch(tmp_path) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(16, 6), torch.randn(16, 1)), batch_size=8)
+    trainer = make_trainer(tmp_path, [FaultTolerantCheckpoint(tmp_path)])
+    with pytest.warns(UserWarning, match=r"the train loader \(DataLoader\) has no state_dict\(\)"):
+        trainer.fit(fresh_model(), loader)
+
+
 class DigitsNet(pl.LightningModule):
+    """Conv + BatchNorm classifier for the project's DigitsDataModule (8x8 images, 10 classes), SGD with
+    momentum, a per-step LR schedule: buffers, optimizer and scheduler state all go through the checkpoint."""
+
     def __init__(self, fail_at_step: int | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(
@@ -190,61 +217,79 @@ class DigitsNet(pl.LightningModule):
         return nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def test_real_datamodule_resumes_mid_epoch(tmp_path) -> None:
-    """The project's DigitsDataModule (augmented DeviceLoader, resumable state) through the same fault."""
+def digits_fit(
+    model: pl.LightningModule, callbacks: list[Callback] = (), ckpt_path: str | None = None
+) -> pl.Trainer:
+    """2 epochs of the real DigitsDataModule (augmented DeviceLoader, resumable state), 'compiled'."""
     from vision.data import DigitsDataModule
 
-    def fit(model, callbacks=(), ckpt_path=None):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            strategy=lightning_plugin.CompiledStrategy(backend="eager"),
-            max_epochs=2,
-            callbacks=list(callbacks),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=bool(callbacks),
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-        )
-        trainer.fit(model, datamodule=DigitsDataModule(batch_size=128, image_size=8), ckpt_path=ckpt_path)
-        return trainer
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy=lightning_plugin.CompiledStrategy(backend="eager"),
+        max_epochs=2,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=128, image_size=8), ckpt_path=ckpt_path)
+    return trainer
 
+
+@pytest.fixture(scope="module")
+def digits_uninterrupted() -> tuple[int, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    full = DigitsNet()
-    steps = fit(full).global_step
+    model = DigitsNet()
+    steps = digits_fit(model).global_step
+    return steps, _state(model)
+
+
+def test_real_datamodule_resumes_mid_epoch(tmp_path, digits_uninterrupted) -> None:
+    """The project's DigitsDataModule (augmented DeviceLoader, resumable state) through the same fault."""
+    steps, full = digits_uninterrupted
+    assert steps == 20  # 1257 training images / 128 = 10 batches per epoch
     torch.manual_seed(0)
     saver = FaultTolerantCheckpoint(tmp_path)
-    with pytest.raises(RuntimeError, match="injected failure"):
-        fit(DigitsNet(fail_at_step=steps // 2 + 3), [saver])
+    with pytest.raises(RuntimeError, match="injected failure at global step 13"):
+        digits_fit(DigitsNet(fail_at_step=13), [saver])
+    loader_state = torch.load(saver.ckpt_path, weights_only=False)["loops"]["fit_loop"]["state_dict"]
+    assert [(s["epoch"], s["position"]) for s in loader_state["combined_loader"]] == [(1, 3)]
     torch.manual_seed(123)
     resumed = DigitsNet()
-    assert fit(resumed, ckpt_path=saver.ckpt_path).global_step == steps
-    _assert_same_weights(_state(resumed), _state(full))
+    assert digits_fit(resumed, ckpt_path=saver.ckpt_path).global_step == steps
+    _assert_same_weights(_state(resumed), full)
 
 
-class _SlowAndReporting(Callback):
-    """Child-side: make steps slow enough to be interrupted, and report progress to the parent."""
+class _SlowStepsReportingProgress(Callback):
+    """Child side: make each step slow, inside the step (between forward and backward), so the
+    SIGTERM lands mid-step; report the progress to the parent."""
 
     def __init__(self, progress: Path) -> None:
         self.progress = progress
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.progress.write_text(json.dumps({"global_step": trainer.global_step}))
         time.sleep(0.25)
 
 
 def _child_main(root: Path) -> None:
     torch.manual_seed(0)
-    saver = FaultTolerantCheckpoint(root)
-    trainer = make_trainer(root, [saver, _SlowAndReporting(root / "progress.json")])
-    trainer.fit(fresh_model(), ResumableBatches())
+    digits_fit(
+        DigitsNet(), [FaultTolerantCheckpoint(root), _SlowStepsReportingProgress(root / "progress.json")]
+    )
 
 
-def test_sigterm_mid_epoch_leaves_a_resumable_checkpoint(tmp_path, uninterrupted) -> None:
+def test_sigterm_mid_epoch_leaves_a_resumable_checkpoint(tmp_path, digits_uninterrupted) -> None:
+    """SIGTERM to a real training process (strategy='compiled', DigitsDataModule) in the middle of a step."""
+    steps, full = digits_uninterrupted
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     child = subprocess.Popen(
         [sys.executable, __file__, str(tmp_path)],
@@ -257,11 +302,8 @@ def test_sigterm_mid_epoch_leaves_a_resumable_checkpoint(tmp_path, uninterrupted
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and child.poll() is None:
-            if (
-                progress.exists()
-                and progress.read_text()
-                and json.loads(progress.read_text())["global_step"] >= 2
-            ):
+            text = progress.read_text() if progress.exists() else ""
+            if text and json.loads(text)["global_step"] >= 2:
                 break
             time.sleep(0.05)
         assert child.poll() is None, child.stdout.read().decode()[-3000:]
@@ -274,9 +316,13 @@ def test_sigterm_mid_epoch_leaves_a_resumable_checkpoint(tmp_path, uninterrupted
     ckpt_path = tmp_path / "interrupted.ckpt"
     assert ckpt_path.exists(), output[-3000:]
     step = torch.load(ckpt_path, weights_only=False)["global_step"]
-    assert 2 <= step < SAMPLES // BATCH, f"stopped at step {step}: not mid-epoch\n{output[-3000:]}"
-    assert "SIGTERM received: stopping after global step" in output
-    _assert_same_weights(_resume(str(ckpt_path), tmp_path), uninterrupted)
+    # Lightning stops after the step in flight: the checkpoint is mid epoch 0 (10 steps), not at its end.
+    assert 3 <= step < steps // 2, f"stopped at step {step}: not mid-epoch\n{output[-3000:]}"
+    assert f"Interrupted (SIGTERMException) at global step {step}" in output, output[-3000:]
+    torch.manual_seed(123)
+    resumed = DigitsNet()
+    assert digits_fit(resumed, ckpt_path=str(ckpt_path)).global_step == steps
+    _assert_same_weights(_state(resumed), full)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from vision.data.color import ColorJitter, Normalize, ToGray
 from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
-from vision.data.datasets import CorruptImageError, ImageSet, load_cifar10, load_digits_images, load_image_folder
+from vision.data.datasets import (
+    CorruptImageError, EncodedImages, ImageSet, list_image_folder, load_cifar10, load_digits_images, load_image_folder,
+)
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import (
     CenterCrop, HorizontalFlip, Pad, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
@@ -14,10 +16,10 @@ from vision.data.pipeline import BatchOp, Pipeline, RaggedBatch
 
 __all__ = [
     "BatchOp", "CIFAR10DataModule", "CenterCrop", "CoarseDropout", "ColorJitter", "CorruptImageError",
-    "DeviceLoader", "DigitsDataModule", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet",
+    "DeviceLoader", "DigitsDataModule", "EncodedImages", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet",
     "MixupCutmix", "Normalize", "Pad", "Pipeline", "RaggedBatch", "RandomCrop", "RandomResizedCrop",
     "RandomTranslate", "Resize", "ResizeCenterCrop", "ToGray", "VerticalFlip", "from_albumentations",
-    "load_cifar10", "load_digits_images", "load_image_folder",
+    "list_image_folder", "load_cifar10", "load_digits_images", "load_image_folder",
 ]
 
 

@@ -27,8 +27,8 @@ def rgb_to_gray(images: Tensor) -> Tensor:
     if images.dtype == torch.uint8:
         r, g, b = images.to(torch.int32).unbind(1)
         return ((r * 4899 + g * 9617 + b * 1868 + (1 << 13)) >> 14).to(torch.uint8).unsqueeze(1)
-    w = torch.tensor(GRAY_WEIGHTS, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
-    return (images * w).sum(dim=1, keepdim=True)
+    r, g, b = images[:, 0:1], images[:, 1:2], images[:, 2:3]
+    return (r * GRAY_WEIGHTS[0]).add_(g, alpha=GRAY_WEIGHTS[1]).add_(b, alpha=GRAY_WEIGHTS[2])
 
 
 def rgb_to_hsv(rgb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -55,12 +55,31 @@ def hsv_to_rgb(hue: Tensor, sat: Tensor, val: Tensor) -> Tensor:
 
 
 def adjust_hue(images: Tensor, shift: Tensor) -> Tensor:
-    """Rotate hue by ``shift`` (N,) turns (albumentations/torchvision ``hue`` factor); 0..255 units in/out."""
+    """Rotate hue by ``shift`` (N,) turns (albumentations/torchvision ``hue`` factor); 0..255 units in/out.
+
+    Equal to shifting the hue of :func:`rgb_to_hsv` and converting back with :func:`hsv_to_rgb`, in far
+    fewer passes over the image (hue is the most expensive colour op on CPU): a hue rotation keeps each
+    pixel's max and min, so every output channel is ``max - (max - min) * ramp(k)``.  The hue, in sixths
+    of a turn, uses OpenCV's branch order (max == r, then max == g, then b) written as mask arithmetic,
+    which is faster than ``torch.where`` on CPU.  Hue is scale invariant: no conversion to 0..1.
+    """
     if images.shape[1] == 1:
         return images
-    hue, sat, val = rgb_to_hsv(images / 255.0)
-    hue = (hue + shift.to(images.dtype).view(-1, 1, 1)).remainder(1.0)
-    return hsv_to_rgb(hue, sat, val) * 255.0
+    x = as_float(images)
+    r, g, b = x[:, 0:1], x[:, 1:2], x[:, 2:3]
+    maxc = x.amax(dim=1, keepdim=True)
+    delta = maxc - x.amin(dim=1, keepdim=True)
+    is_r = (maxc == r).to(x.dtype)
+    is_g = (maxc == g).to(x.dtype).mul_(1.0 - is_r)
+    is_b = 1.0 - is_r - is_g
+    num = is_r * (g - b) + is_g * (b - r + 2.0 * delta) + is_b * (r - g + 4.0 * delta)
+    hue6 = num.div_(delta + (delta == 0).to(x.dtype))  # gray pixels: delta == 0, num == 0, any hue works
+    hue6.add_(shift.to(x.dtype).view(-1, 1, 1, 1), alpha=6.0)
+    hue6.sub_(torch.floor(hue6 * (1.0 / 6.0)), alpha=6.0)  # mod 6 (floor is faster than remainder on CPU)
+    k = hue6 + torch.tensor((5.0, 3.0, 1.0), dtype=x.dtype, device=x.device).view(1, 3, 1, 1)  # in [1, 11)
+    k.sub_(torch.floor(k * (1.0 / 6.0)), alpha=6.0)
+    ramp = torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
+    return ramp.mul_(delta).neg_().add_(maxc)
 
 
 def _blend(images: Tensor, factor: Tensor, other: Tensor) -> Tensor:
@@ -105,6 +124,39 @@ def _where_samples(
     return torch.where(mask.view(-1, 1, 1, 1), fn(images, *args), images)
 
 
+def _blend_step(x: Tensor, op: Tensor, factors: Tensor) -> Tensor:
+    """One jitter step: brightness (``op`` 0), contrast (1), saturation (2) or nothing (3), per sample.
+
+    Each of the three is ``clip(f x + (1 - f) z)`` with ``z`` = 0, the mean gray level or the gray image,
+    i.e. one per-sample affine colour map ``clip(f x + s gray(x) + c)`` (``s = 1 - f`` for saturation,
+    ``c = (1 - f) mean(gray(x))`` for contrast, else 0).  So the whole batch does its step in one pass
+    over the 3 channels, whichever op each sample does (a sample doing hue at this step gets ``f = 1``).
+    ``x`` is a contiguous NCHW float tensor; returns a new one.
+    """
+    n, c = x.shape[:2]
+    idx = op.clamp(max=2).view(n, 1)
+    f = torch.where(op == 3, 1.0, factors.gather(1, idx).squeeze(1))
+    keep = 1.0 - f
+    is_contrast = (op == 1).to(x.dtype)
+    is_saturation = (op == 2).to(x.dtype)
+    if c == 1:  # saturation of a gray image is the identity
+        f = torch.where(op == 2, 1.0, f)
+        bias = keep * is_contrast * x.mean(dim=(1, 2, 3))
+        return torch.addcmul(bias.view(n, 1, 1, 1), x, f.view(n, 1, 1, 1)).clamp_(0.0, 255.0)
+    # y = s * gray(x) + c per pixel (one channel), then clip(f x + y): two passes over the 3 channels.
+    # On CPU, skip the parts no sample needs at this step (checking on a GPU would sync it).
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and not bool(is_saturation.any()):
+        y = torch.zeros((n, 1, 1, 1), dtype=x.dtype)
+    else:
+        y = rgb_to_gray(x).mul_((keep * is_saturation).view(n, 1, 1, 1))
+    if not on_cpu or bool(is_contrast.any()):
+        w = torch.tensor(GRAY_WEIGHTS, dtype=x.dtype, device=x.device)
+        mean_gray = x.mean(dim=(2, 3)) @ w
+        y.add_((keep * is_contrast * mean_gray).view(n, 1, 1, 1))
+    return torch.addcmul(y, x, f.view(n, 1, 1, 1)).clamp_(0.0, 255.0)
+
+
 def color_jitter(
     images: Tensor, brightness: Tensor, contrast: Tensor, saturation: Tensor, hue: Tensor, order: Tensor,
     apply_hue: bool = True,
@@ -112,25 +164,19 @@ def color_jitter(
     """Brightness/contrast/saturation/hue with per-sample factors, each sample in its own ``order``.
 
     ``order`` is (N, 4) with a permutation of (0=brightness, 1=contrast, 2=saturation, 3=hue) per row.
-    The three blend-type ops share one fused step: ``clip(f x + (1 - f) y)`` with ``y`` = 0, the mean gray
-    level or the gray image depending on which op that sample does at that step.
+    At each of the 4 steps the three blend-type ops run as one batched affine map (:func:`_blend_step`);
+    hue runs on the samples whose step it is.  Returns float32 in 0..255 units, NCHW contiguous.
     """
-    x = as_float(images).clone() if images.dtype != torch.uint8 else images.float()
+    x = as_float(images).contiguous()
     n = x.shape[0]
-    factors = torch.stack((brightness, contrast, saturation), dim=1).to(device=x.device, dtype=torch.float32)
+    factors = torch.stack((brightness, contrast, saturation), dim=1).to(device=x.device, dtype=x.dtype)
     order = order.to(x.device)
-    ones = torch.ones(n, 1, device=x.device)
-    table = torch.cat((factors, ones), dim=1)  # step doing hue: identity blend
+    hue = hue.to(x.device)
     for step in range(4):
         op = order[:, step]
-        f = table.gather(1, op.view(n, 1)).view(n, 1, 1, 1)
-        gray = rgb_to_gray(x)
-        mean = gray.mean(dim=(1, 2, 3), keepdim=True)
-        opv = op.view(n, 1, 1, 1)
-        other = torch.where(opv == 1, mean, torch.where(opv == 2, gray, torch.zeros((), device=x.device)))
-        x = _blend(x, f, other)
+        x = _blend_step(x, op, factors)
         if apply_hue and x.shape[1] == 3:
-            x = _where_samples(x, op == 3, adjust_hue, hue.to(x.device), inplace=True)  # x is our own buffer
+            x = _where_samples(x, op == 3, adjust_hue, hue, inplace=True)  # x is our own buffer
     return x
 
 
@@ -236,7 +282,9 @@ class Normalize(BatchOp):
             raise ValueError(f"Normalize: std must be positive, got {self.std}")
         self.max_pixel_value = float(max_pixel_value)
 
-    def apply(self, images: Tensor, params: Params) -> Tensor:
+    writes_out = True
+
+    def apply(self, images: Tensor, params: Params, out: Tensor | None = None) -> Tensor:
         c = images.shape[1]
         if len(self.mean) not in (1, c):
             raise ValueError(f"Normalize: {len(self.mean)} mean values for images with {c} channels")
@@ -244,4 +292,6 @@ class Normalize(BatchOp):
         scale = 1.0 / (torch.tensor(self.std, device=device) * self.max_pixel_value)
         bias = -torch.tensor(self.mean, device=device) * self.max_pixel_value * scale
         shape = (1, -1, 1, 1)
+        if out is not None:  # the pipeline's output buffer: dtype and memory format conversion in this pass
+            return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape), out=out)
         return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape))

@@ -8,7 +8,7 @@ position) goes into checkpoints, so ``Trainer.fit(ckpt_path=...)`` resumes mid-e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -16,9 +16,12 @@ from typing_extensions import override
 
 from vision.data.color import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from vision.data.datasets import (
-    ImageSet, OnCorrupt, list_classes, load_cifar10, load_digits_images, load_image_folder, stratified_split,
+    EncodedImages, ImageSet, OnCorrupt, list_classes, list_image_folder, load_cifar10, load_digits_images,
+    load_image_folder, stratified_split,
 )
-from vision.data.geometry import CenterCrop, HorizontalFlip, RandomCrop, RandomResizedCrop, RandomTranslate, Resize
+from vision.data.geometry import (
+    CenterCrop, HorizontalFlip, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
+)
 from vision.data.loader import DeviceLoader, Uneven
 from vision.data.pipeline import Pipeline
 
@@ -32,6 +35,7 @@ class _DeviceDataModule(pl.LightningDataModule):
     num_classes: int
     image_size: int
     in_channels: int = 3
+    on_corrupt: OnCorrupt = "raise"  # files decoded per batch (ImageFolder storage="encoded")
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: list[str]
@@ -45,7 +49,7 @@ class _DeviceDataModule(pl.LightningDataModule):
         drop_last: bool,
         num_workers: int,
         dtype: torch.dtype,
-        uneven: Uneven = "pad",
+        uneven: Uneven = "exact",
     ):
         super().__init__()
         if batch_size < 1:
@@ -58,12 +62,12 @@ class _DeviceDataModule(pl.LightningDataModule):
         self.uneven = uneven
         self._train_pipeline = train_pipeline
         self._eval_pipeline = eval_pipeline
-        self._splits: dict[str, ImageSet] = {}
+        self._splits: dict[str, ImageSet | EncodedImages] = {}
         self._train_loader: DeviceLoader | None = None
         self._pending_state: dict[str, Any] | None = None
 
     # subclasses -------------------------------------------------------------------------------------
-    def _build(self) -> dict[str, ImageSet]:
+    def _build(self) -> dict[str, ImageSet | EncodedImages]:
         raise NotImplementedError
 
     def default_train_pipeline(self) -> Pipeline:
@@ -90,7 +94,7 @@ class _DeviceDataModule(pl.LightningDataModule):
                     raise ValueError(f"{type(self).__name__}: the {name} split is empty")
 
     def _placement(self) -> tuple[torch.device, int, int]:
-        trainer = getattr(self, "_trainer", None)
+        trainer = self.trainer
         if trainer is None:
             return torch.device("cpu"), 0, 1
         return trainer.strategy.root_device, trainer.global_rank, trainer.world_size
@@ -101,10 +105,12 @@ class _DeviceDataModule(pl.LightningDataModule):
             raise ValueError(f"{type(self).__name__} has no {split!r} split (has {sorted(self._splits)})")
         data = self._splits[split]
         device, rank, world = self._placement()
+        images = data if isinstance(data, EncodedImages) else data.images
         return DeviceLoader(
-            data.images, data.targets, self.batch_size, self.train_pipeline if train else self.eval_pipeline,
+            images, data.targets, self.batch_size, self.train_pipeline if train else self.eval_pipeline,
             shuffle=train, drop_last=self.drop_last if train else False, seed=self.seed, device=device,
-            rank=rank, world_size=world, uneven=self.uneven,
+            rank=rank, world_size=world, uneven=self.uneven, decode_threads=max(1, self.num_workers),
+            on_corrupt=self.on_corrupt,
         )
 
     @override
@@ -248,12 +254,16 @@ class CIFAR10DataModule(_DeviceDataModule):
 
 class ImageFolderDataModule(_DeviceDataModule):
     """Any ImageFolder tree ``<root>/train/<class>/*`` and ``<root>/val/<class>/*`` (JPEG/PNG, any sizes;
-    ``root`` may be a ``.zip``).  Images are decoded once and stored as uint8 squares of ``storage_size``
-    (default ``image_size * 8 / 7``, i.e. 256 for 224).
+    ``root`` may be a ``.zip``).
 
-    Default train: random resized crop to ``image_size`` + flip + normalize; eval: resize to the storage
-    size + centre crop ``image_size`` + normalize.  ``on_corrupt="skip"`` skips undecodable files and warns
-    the count; ``"raise"`` fails naming the file.
+    ``storage="uint8"`` (default) decodes the images once and stores them as uint8 squares of
+    ``storage_size`` (default ``image_size * 8 / 7``, i.e. 256 for 224).  ``storage="encoded"`` keeps the
+    files encoded and decodes every batch (in ``num_workers`` threads, or with nvJPEG on CUDA): for data
+    sets too large to hold decoded.
+
+    Default train: random resized crop to ``image_size`` + flip + normalize; eval: shorter side to
+    ``storage_size`` + centre crop ``image_size`` + normalize.  ``on_corrupt="skip"`` skips undecodable
+    files and warns the count; ``"raise"`` fails naming the file.
     """
 
     mean = IMAGENET_MEAN
@@ -274,10 +284,14 @@ class ImageFolderDataModule(_DeviceDataModule):
         on_corrupt: OnCorrupt = "raise",
         limit_per_class: int | None = None,
         val_split: str = "val",
+        storage: Literal["uint8", "encoded"] = "uint8",
     ):
         super().__init__(batch_size, train_pipeline, eval_pipeline, seed, drop_last, num_workers, dtype)
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        if storage not in ("uint8", "encoded"):
+            raise ValueError(f"storage must be 'uint8' or 'encoded', got {storage!r}")
+        self.storage = storage
         self.root = root
         self.image_size = image_size
         self.storage_size = storage_size if storage_size is not None else int(round(image_size * 8 / 7))
@@ -288,17 +302,23 @@ class ImageFolderDataModule(_DeviceDataModule):
         self.num_classes = len(self.class_names)
         self.skipped = 0
 
-    def _build(self) -> dict[str, ImageSet]:
-        args = (self.storage_size, self.on_corrupt, self.limit_per_class, self.num_workers)
-        train = load_image_folder(self.root, "train", *args)
-        val = load_image_folder(self.root, self.val_split, *args)
+    def _build(self) -> dict[str, ImageSet | EncodedImages]:
+        train: ImageSet | EncodedImages
+        val: ImageSet | EncodedImages
+        if self.storage == "encoded":
+            train = list_image_folder(self.root, "train", self.limit_per_class)
+            val = list_image_folder(self.root, self.val_split, self.limit_per_class)
+        else:
+            args = (self.storage_size, self.on_corrupt, self.limit_per_class, self.num_workers)
+            train = load_image_folder(self.root, "train", *args)
+            val = load_image_folder(self.root, self.val_split, *args)
         if val.class_names != train.class_names:
             raise ValueError(
                 f"ImageFolderDataModule: train classes {train.class_names} differ from {self.val_split} classes "
                 f"{val.class_names}"
             )
         self.class_names, self.num_classes = train.class_names, len(train.class_names)
-        self.skipped = train.skipped + val.skipped
+        self.skipped = getattr(train, "skipped", 0) + getattr(val, "skipped", 0)
         return {"train": train, "val": val, "test": val}
 
     def default_train_pipeline(self) -> Pipeline:
@@ -307,8 +327,12 @@ class ImageFolderDataModule(_DeviceDataModule):
         )
 
     def default_eval_pipeline(self) -> Pipeline:
+        if self.storage == "encoded":  # images of any size: resize the shorter side, then crop the centre
+            resize = max(self.storage_size, self.image_size)
+            return Pipeline([ResizeCenterCrop(self.image_size, resize), Normalize(self.mean, self.std)],
+                            dtype=self.dtype)
         crop = int(round(self.storage_size * 0.875)) if self.storage_size else self.image_size
-        ops = [CenterCrop(min(crop, self.storage_size))]
+        ops: list = [CenterCrop(min(crop, self.storage_size))]
         if ops[0].size != (self.image_size, self.image_size):
             ops.append(Resize(self.image_size))
         return Pipeline([*ops, Normalize(self.mean, self.std)], dtype=self.dtype)

@@ -8,11 +8,15 @@
 Images are decoded once, in a thread pool, with a progress bar when it takes more than a few seconds.
 Images of different sizes are stored at one ``storage_size`` (shorter side resized, centre square crop),
 like FFCV's fixed-resolution storage; random resized crops then run on that copy.
+
+For data sets too large to hold decoded, :func:`list_image_folder` returns :class:`EncodedImages` (the
+files, not decoded), which the loader decodes one batch at a time.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -103,12 +107,20 @@ def _list_zip(zf: zipfile.ZipFile, split: str) -> tuple[list[tuple[str, int]], l
     return [(name, index[c]) for c, name in sorted(members, key=lambda m: m[1])], classes
 
 
+def _open_zip(path: str) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(path)
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"{path!r} is not a zip file ({err}); pass a folder or a zip of <split>/<class>/<image>") \
+            from err
+
+
 def list_classes(root: str, split: str) -> list[str]:
     """Sorted class names of ``<root>/<split>/<class>/`` (``root`` a folder or a ``.zip``), cheaply."""
     if not os.path.exists(root):
         raise FileNotFoundError(f"image folder or zip not found: {root!r}")
     if root.lower().endswith(".zip"):
-        with zipfile.ZipFile(root) as zf:
+        with _open_zip(root) as zf:
             prefix = split.strip("/") + "/"
             names = {n[len(prefix):].split("/")[0] for n in zf.namelist() if n.startswith(prefix) and
                      n.count("/") >= 2}
@@ -159,13 +171,16 @@ def fit_to_square(img: Tensor, size: int) -> Tensor:
     return img
 
 
+#: Seconds of decoding after which a progress bar appears (quick builds stay silent).
+PROGRESS_DELAY_S = 3.0
+
+
 def _progress(total: int, desc: str):
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    # delay: the bar only appears when decoding takes longer than a few seconds.
-    return tqdm(total=total, desc=desc, unit="img", delay=3.0, leave=False)
+    return tqdm(total=total, desc=desc, unit="img", delay=PROGRESS_DELAY_S, leave=False)
 
 
 def _decode_all(
@@ -178,7 +193,11 @@ def _decode_all(
     def work(item: tuple[str, int]) -> Tensor | None:
         path, _ = item
         try:
-            img = decode_image_bytes(read(path), path)
+            try:
+                data = read(path)
+            except OSError as err:  # unreadable (permissions, I/O error): handled like a corrupt file
+                raise CorruptImageError(f"cannot read image file {path!r}: {err}") from err
+            img = decode_image_bytes(data, path)
         except CorruptImageError:
             if on_corrupt == "raise":
                 raise
@@ -217,7 +236,7 @@ def load_image_folder(
     if not os.path.exists(root):
         raise FileNotFoundError(f"image folder or zip not found: {root!r}")
     if root.lower().endswith(".zip"):
-        with zipfile.ZipFile(root) as zf:
+        with _open_zip(root) as zf:
             items, classes = _list_zip(zf, split)
             if not items:
                 raise FileNotFoundError(f"no images under '{split}/<class>/' in zip {root!r}")
@@ -250,6 +269,11 @@ def load_image_folder(
     return ImageSet(torch.stack(images), torch.tensor(labels, dtype=torch.int64), classes, skipped)
 
 
+def is_jpeg(data: bytes) -> bool:
+    """JPEG files start with the SOI marker FF D8 FF (what nvJPEG can decode)."""
+    return data[:3] == b"\xff\xd8\xff"
+
+
 def decode_jpeg_batch(data: Sequence[bytes], device: torch.device | str = "cuda"):
     """Batched JPEG decode (``torchvision.io.decode_jpeg(list, device=...)``, nvJPEG on CUDA) into a
     :class:`~vision.data.pipeline.RaggedBatch` that a resizing first op can augment directly."""
@@ -260,6 +284,75 @@ def decode_jpeg_batch(data: Sequence[bytes], device: torch.device | str = "cuda"
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
     decoded = tio.decode_jpeg(tensors, mode=tio.ImageReadMode.RGB, device=device)
     return RaggedBatch.from_images(decoded if isinstance(decoded, list) else [decoded])
+
+
+class EncodedImages:
+    """Image files kept encoded (JPEG/PNG) and decoded one batch at a time by the loader.
+
+    For ImageFolder data sets too large to hold decoded as uint8.  ``sources`` are file paths, or member
+    names inside the zip ``zip_path`` (each reading thread opens its own handle: ``ZipFile`` reads are not
+    thread-safe).
+    """
+
+    def __init__(self, sources: Sequence[str], targets: Tensor, class_names: list[str],
+                 zip_path: str | None = None):
+        if len(sources) != targets.shape[0]:
+            raise ValueError(f"EncodedImages: {len(sources)} files but {targets.shape[0]} targets")
+        self.sources = list(sources)
+        self.targets = targets
+        self.class_names = class_names
+        self.zip_path = zip_path
+        self._local = threading.local()
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def name(self, i: int) -> str:
+        """The file that sample ``i`` comes from (for error messages)."""
+        return f"{self.zip_path}:{self.sources[i]}" if self.zip_path else self.sources[i]
+
+    def read(self, i: int) -> bytes:
+        """The encoded bytes of sample ``i``; :class:`CorruptImageError` naming the file when unreadable."""
+        try:
+            if self.zip_path is None:
+                with open(self.sources[i], "rb") as fh:
+                    return fh.read()
+            zf = getattr(self._local, "zip", None)
+            if zf is None:
+                zf = self._local.zip = zipfile.ZipFile(self.zip_path)
+            return zf.read(self.sources[i])
+        except (OSError, KeyError, zipfile.BadZipFile) as err:
+            raise CorruptImageError(f"cannot read image file {self.name(i)!r}: {err}") from err
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_local")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+
+def list_image_folder(root: str, split: str, limit_per_class: int | None = None) -> EncodedImages:
+    """The files of ``<root>/<split>/<class>/*`` (``root`` may be a ``.zip``), not decoded: see
+    :class:`EncodedImages`."""
+    if not os.path.exists(root):
+        raise FileNotFoundError(f"image folder or zip not found: {root!r}")
+    if root.lower().endswith(".zip"):
+        with _open_zip(root) as zf:
+            items, classes = _list_zip(zf, split)
+        if not items:
+            raise FileNotFoundError(f"no images under '{split}/<class>/' in zip {root!r}")
+        zip_path: str | None = root
+    else:
+        items, classes = _list_folder(root, split)
+        if not items:
+            raise FileNotFoundError(f"no {'/'.join(IMAGE_EXTENSIONS)} images under {os.path.join(root, split)!r}")
+        zip_path = None
+    items = _take_per_class(items, limit_per_class)
+    return EncodedImages([p for p, _ in items], torch.tensor([c for _, c in items], dtype=torch.int64), classes,
+                         zip_path)
 
 
 def stratified_split(

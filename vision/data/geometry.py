@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vision.data.pipeline import BatchOp, Params, RaggedBatch, as_float, bernoulli
+from vision.data.pipeline import FLIP_AFTER, BatchOp, Params, RaggedBatch, as_float, bernoulli
 
 PaddingMode = Literal["constant", "reflect", "symmetric", "edge"]
 _PADDING_MODES = ("constant", "reflect", "symmetric", "edge")
@@ -94,13 +94,18 @@ def crop_with_padding(
             images, index = images.index_select(0, index.to(device)), None
         if any(padding):
             mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[padding_mode]
-            padded = F.pad(images, padding, mode=mode, value=fill if mode == "constant" else None)
+            l, t, r, b = padding  # F.pad wants (left, right, top, bottom)
+            padded = F.pad(images, (l, r, t, b), mode=mode, value=fill if mode == "constant" else None)
         else:
             padded = images
         windows = padded.unfold(2, ch, 1).unfold(3, cw, 1)  # (M, C, nH, nW, ch, cw) view
         batch = index.to(device) if index is not None else torch.arange(n, device=device)
         out = windows[batch, :, top.to(device), left.to(device)]
-        if flip is not None:
+        if flip is not None and device.type == "cpu":  # `out` is our own: mirror just the flipped samples
+            idx = flip.nonzero().squeeze(1)
+            if idx.numel():
+                out[idx] = out[idx].flip(-1)
+        elif flip is not None:  # (finding the indices would sync an accelerator)
             out = torch.where(flip.to(device).view(n, 1, 1, 1), out.flip(-1), out)
         return out
     if index is not None:
@@ -119,6 +124,14 @@ def crop_with_padding(
         ok = (row_ok.view(n, 1, ch, 1) & col_ok.view(n, 1, 1, cw))
         out = torch.where(ok, out, torch.tensor(fill, dtype=out.dtype, device=device))
     return out
+
+
+def _flip(params: Params) -> Tensor | None:
+    """The op's own ``flip`` (if any) combined with a horizontal flip folded in after it."""
+    own, after = params.get("flip"), params.get(FLIP_AFTER)
+    if own is None or after is None:
+        return own if after is None else after
+    return own ^ after
 
 
 def random_crop_params(
@@ -182,12 +195,13 @@ class RandomCrop(BatchOp):
         return params
 
     fuses_gather = True
+    fuses_flip = True
 
     def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
         size = self.output_size(images.shape[-2], images.shape[-1])
         return crop_with_padding(
             images, params["top"], params["left"], size, self.padding, self.padding_mode, self.fill,
-            params.get("flip"), index=index,
+            _flip(params), index=index,
         )
 
 
@@ -290,12 +304,14 @@ def random_resized_crop_params(
 
 
 def resized_crop(
-    images: Tensor, top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int]
+    images: Tensor, top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int],
+    flip: Tensor | None = None,
 ) -> Tensor:
     """Bilinear resize of each per-sample box (``top, left, height, width``, may be fractional) to ``size``.
 
     Source coordinates follow OpenCV (``src = (dst + 0.5) * scale - 0.5``) and are clamped to the box, so
-    pixels outside the box are never read (the padding of a :class:`RaggedBatch` included).
+    pixels outside the box are never read (the padding of a :class:`RaggedBatch` included).  ``flip`` (N,)
+    bool mirrors the chosen samples by reversing their sampling grid (free).
     Returns float32 in the input's units.
     """
     n, _, canvas_h, canvas_w = images.shape
@@ -306,6 +322,8 @@ def resized_crop(
     xs = (torch.arange(ow, device=device, dtype=torch.float32).view(1, ow) + 0.5) * (width / ow) - 0.5
     ys = top + torch.minimum(ys.clamp_min(0), height - 1)
     xs = left + torch.minimum(xs.clamp_min(0), width - 1)
+    if flip is not None:
+        xs = torch.where(flip.to(device).view(n, 1), xs.flip(1), xs)
     gy = ((2 * ys + 1) / canvas_h - 1).view(n, oh, 1).expand(n, oh, ow)
     gx = ((2 * xs + 1) / canvas_w - 1).view(n, 1, ow).expand(n, oh, ow)
     grid = torch.stack((gx, gy), dim=-1)
@@ -334,6 +352,7 @@ class RandomResizedCrop(BatchOp):
     """
 
     accepts_ragged = True
+    fuses_flip = True
 
     def __init__(
         self,
@@ -367,7 +386,7 @@ class RandomResizedCrop(BatchOp):
 
     def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
         return resized_crop(_canvas(images), params["top"], params["left"], params["height"], params["width"],
-                            self.size)
+                            self.size, _flip(params))
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size
@@ -377,6 +396,7 @@ class Resize(BatchOp):
     """Bilinear resize of every image to ``size`` (height, width)."""
 
     accepts_ragged = True
+    fuses_flip = True
 
     def __init__(self, size: int | Sequence[int]):
         self.size = _pair(size, "Resize size")
@@ -388,7 +408,7 @@ class Resize(BatchOp):
 
     def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
         return resized_crop(_canvas(images), params["top"], params["left"], params["height"], params["width"],
-                            self.size)
+                            self.size, _flip(params))
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size
@@ -410,9 +430,11 @@ class CenterCrop(BatchOp):
         }
 
     fuses_gather = True
+    fuses_flip = True
 
     def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
-        return crop_with_padding(images, params["top"], params["left"], self.size, index=index)
+        return crop_with_padding(images, params["top"], params["left"], self.size, flip=_flip(params),
+                                 index=index)
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size
@@ -426,6 +448,7 @@ class ResizeCenterCrop(BatchOp):
     """
 
     accepts_ragged = True
+    fuses_flip = True
 
     def __init__(self, size: int | Sequence[int], resize_size: int | None = None):
         self.size = _pair(size, "ResizeCenterCrop size")
@@ -442,7 +465,7 @@ class ResizeCenterCrop(BatchOp):
 
     def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
         return resized_crop(_canvas(images), params["top"], params["left"], params["height"], params["width"],
-                            self.size)
+                            self.size, _flip(params))
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size

@@ -9,10 +9,15 @@ Images flow through the pipeline as ``(N, C, H, W)`` tensors: uint8 while only i
 touch them, float32 in 0..255 units after the first arithmetic op, and in normalized units after
 :class:`~vision.data.color.Normalize`.  Batches whose images have different sizes enter as a
 :class:`RaggedBatch`; the first op must then be a resizing op that brings them to one size.
+
+On CPU a batch runs in slices on single-threaded workers (see :meth:`Pipeline._run_chunked`); on a GPU it
+runs whole.  Both give the same result.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -20,6 +25,8 @@ import torch
 from torch import Tensor
 
 Params = dict[str, Tensor]
+#: Params key of a horizontal flip folded into the op before it (see ``BatchOp.fuses_flip``).
+FLIP_AFTER = "flip_after"
 
 
 @dataclass
@@ -54,10 +61,17 @@ class RaggedBatch:
     def __len__(self) -> int:
         return int(self.canvas.shape[0])
 
+    def __getitem__(self, rows: slice) -> "RaggedBatch":
+        """The images ``rows`` (a slice) of the batch."""
+        return RaggedBatch(self.canvas[rows], self.heights[rows], self.widths[rows])
 
 
 class BatchOp:
-    """Base class of a batched op: ``sample`` draws per-sample params on the CPU, ``apply`` runs them."""
+    """Base class of a batched op: ``sample`` draws per-sample params on the CPU, ``apply`` runs them.
+
+    Every params tensor has the batch in dim 0, and a sample's result may depend only on its own image and
+    params (unless ``mixes_targets``): the pipeline may run any slice of a batch on its own.
+    """
 
     #: True for ops that can take a :class:`RaggedBatch` (they resize everything to one output size).
     accepts_ragged: bool = False
@@ -65,6 +79,12 @@ class BatchOp:
     mixes_targets: bool = False
     #: True for ops whose ``apply(store, params, index=...)`` can pick the batch out of a larger store.
     fuses_gather: bool = False
+    #: True for ops that mirror their output where ``params[FLIP_AFTER]`` (N,) is set, at no extra cost;
+    #: the pipeline then folds a directly following :class:`~vision.data.geometry.HorizontalFlip` into them.
+    fuses_flip: bool = False
+    #: True for ops whose ``apply(..., out=buffer)`` can write their result straight into the pipeline's
+    #: output (any dtype and memory format), saving the final conversion pass.
+    writes_out: bool = False
 
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
         """Draw the parameters for ``n`` samples of size ``height`` x ``width`` (ints, or (N,) tensors)."""
@@ -162,48 +182,120 @@ class Pipeline:
             params = self.sample(n, height, width, generator)
         if len(params) != len(self.ops):
             raise ValueError(f"Pipeline: got {len(params)} param dicts for {len(self.ops)} ops")
+        plan = self._plan(params)
+        channels = images.canvas.shape[1] if isinstance(images, RaggedBatch) else images.shape[1]
+        out = self._empty_output(n, channels, height, width, device)
+        if device.type == "cpu" and not self.mixes_targets:
+            chunk = _cpu_chunk_size(n, out.shape[-2] * out.shape[-1])
+            if chunk < n:
+                self._run_chunked(images, plan, chunk, fused_index, out)
+                return out, targets
         x: Any = images
-        if device.type == "cpu" and fused_index is None and not isinstance(images, RaggedBatch):
-            chunk = self._cpu_chunk(int(images.shape[-2]), int(images.shape[-1]), params)
-            if chunk is not None and n > chunk:
-                return self._run_chunked(images, targets, params, chunk)
-        for i, (op, p) in enumerate(zip(self.ops, params)):
+        for i, (op, p) in enumerate(plan):
             p = _params_to(p, device)
-            x = op.apply(x, p, index=fused_index) if i == 0 and fused_index is not None else op.apply(x, p)
+            kwargs: dict[str, Any] = {}
+            if i == 0 and fused_index is not None:
+                kwargs["index"] = fused_index
+            if i == len(plan) - 1 and op.writes_out:
+                kwargs["out"] = out
+            x = op.apply(x, p, **kwargs)
             if targets is not None and op.mixes_targets:
                 targets = op.apply_targets(targets, p)
         if isinstance(x, RaggedBatch):
             raise ValueError("Pipeline: the batch still has images of different sizes after all ops")
-        x = x.to(self.dtype)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, targets
+        if x is not out:
+            out.copy_(x)  # dtype and memory format in one pass
+        return out, targets
 
-    def _cpu_chunk(self, height: int, width: int, params: list[Params]) -> int | None:
-        """On CPU, large images go through the ops a few samples at a time so they stay in cache."""
-        if self.mixes_targets:
-            return None
+    def _empty_output(self, n: int, channels: int, height: Any, width: Any, device: torch.device) -> Tensor:
         for op in self.ops:
             height, width = op.output_size(height, width)
-        return None if height * width < 96 * 96 else 8
+        if isinstance(height, Tensor):
+            raise ValueError("Pipeline: the batch still has images of different sizes after all ops")
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return torch.empty((n, channels, int(height), int(width)), dtype=self.dtype, device=device, memory_format=fmt)
 
-    def _run_chunked(self, images: Tensor, targets: Tensor | None, params: list[Params], chunk: int):
-        outs = []
-        n = images.shape[0]
-        for s in range(0, n, chunk):
-            sl = [{k: v[s: s + chunk] for k, v in p.items()} for p in params]
-            x: Any = images[s: s + chunk]
-            for op, p in zip(self.ops, sl):
-                x = op.apply(x, p)
-            outs.append(x.to(self.dtype))
-        out = torch.cat(outs)
-        if self.channels_last:
-            out = out.contiguous(memory_format=torch.channels_last)
-        return out, targets
+    def _plan(self, params: list[Params]) -> list[tuple[BatchOp, Params]]:
+        """The (op, params) pairs to run: a HorizontalFlip right after an op that ``fuses_flip`` is folded
+        into it (one pass less; the result is identical)."""
+        from vision.data.geometry import HorizontalFlip  # geometry imports this module
+
+        plan: list[tuple[BatchOp, Params]] = []
+        i = 0
+        while i < len(self.ops):
+            op, p = self.ops[i], params[i]
+            nxt = self.ops[i + 1] if i + 1 < len(self.ops) else None
+            if op.fuses_flip and type(nxt) is HorizontalFlip:
+                p = {**p, FLIP_AFTER: params[i + 1]["flip"]}
+                i += 1
+            plan.append((op, p))
+            i += 1
+        return plan
+
+    def _run_chunked(
+        self, images: Tensor | RaggedBatch, plan: list[tuple[BatchOp, Params]], chunk: int, index: Tensor | None,
+        out: Tensor,
+    ) -> None:
+        """CPU: run the ops on slices of the batch, in parallel on single-threaded workers, into ``out``.
+
+        Same result as the whole batch (every op is per sample).  Workers with one thread each, rather than
+        multi-threaded ops, keep going when another process takes a core (no barrier after every op), like
+        the worker processes of a DataLoader.
+        """
+        starts = list(range(0, out.shape[0], chunk))
+
+        def run_into(s: int) -> None:
+            x: Any = images if index is not None else images[s: s + chunk]
+            dest = out[s: s + chunk]
+            for i, (op, p) in enumerate(plan):
+                kwargs: dict[str, Any] = {}
+                if i == 0 and index is not None:
+                    kwargs["index"] = index[s: s + chunk]
+                if i == len(plan) - 1 and op.writes_out:
+                    kwargs["out"] = dest
+                x = op.apply(x, {k: v[s: s + chunk] for k, v in p.items()}, **kwargs)
+            if x is not dest:
+                dest.copy_(x)
+
+        threads = torch.get_num_threads()
+        if threads > 1 and len(starts) > 1:
+            # Worker threads do not inherit the caller's inference/grad mode: without this, Lightning's
+            # evaluation (inference mode) fails copying into `out`, an inference tensor.
+            inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+            def run_in_mode(s: int) -> None:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    run_into(s)
+
+            list(_cpu_pool(threads).map(run_in_mode, starts))
+        else:
+            for s in starts:
+                run_into(s)
 
     def __repr__(self) -> str:
         inner = "".join(f"\n  {op!r}," for op in self.ops)
         return f"Pipeline([{inner}\n], dtype={self.dtype}, channels_last={self.channels_last})"
+
+
+#: Output pixels per sample above which CPU chunks hold a few samples (their float intermediates then stay
+#: in the per-core cache: 4 x 224^2 x 3 float32 ~ 2.4 MB); below it the batch is split across the threads.
+_LARGE_OUTPUT = 96 * 96
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def _cpu_chunk_size(n: int, out_pixels: int) -> int:
+    threads = torch.get_num_threads()
+    if out_pixels >= _LARGE_OUTPUT:
+        return 4
+    return max(1, -(-n // (4 * threads)))
+
+
+def _cpu_pool(threads: int) -> ThreadPoolExecutor:
+    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per thread)."""
+    key = (os.getpid(), threads)  # a forked child (DataLoader worker) must not reuse the parent's dead threads
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(threads, "vision-data", initializer=torch.set_num_threads, initargs=(1,))
+    return _POOLS[key]
 
 
 def check_image_batch(images: Any) -> None:

@@ -17,9 +17,9 @@ from vision.models._registry import register_model
 __all__ = ["AirbenchNet", "ConvGroup", "whitening_weights", "airbench94", "airbench95"]
 
 
-def _batchnorm(channels: int) -> nn.BatchNorm2d:
+def _batchnorm(channels: int, eps: float = 1e-12) -> nn.BatchNorm2d:
     """BN with a frozen unit scale, a tiny eps and fast running statistics (PyTorch momentum 0.4)."""
-    bn = nn.BatchNorm2d(channels, eps=1e-12, momentum=0.4)
+    bn = nn.BatchNorm2d(channels, eps=eps, momentum=0.4)
     bn.weight.requires_grad_(False)
     return bn
 
@@ -35,13 +35,13 @@ def _conv3x3(in_channels: int, out_channels: int) -> nn.Conv2d:
 class ConvGroup(nn.Module):
     """conv3x3 -> MaxPool2 -> BN -> GELU -> conv3x3 -> BN -> GELU (no residual)."""
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, bn_eps: float = 1e-12) -> None:
         super().__init__()
         self.conv1 = _conv3x3(in_channels, out_channels)
         self.pool = nn.MaxPool2d(2)
-        self.norm1 = _batchnorm(out_channels)
+        self.norm1 = _batchnorm(out_channels, bn_eps)
         self.conv2 = _conv3x3(out_channels, out_channels)
-        self.norm2 = _batchnorm(out_channels)
+        self.norm2 = _batchnorm(out_channels, bn_eps)
         self.act = nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,8 @@ class AirbenchNet(nn.Module):
         widths: output channels of the three groups.
         in_channels: image channels.
         logit_scale: multiplies the logits (airbench uses 1/9; it pairs with label smoothing 0.2).
+        bn_eps: BatchNorm epsilon (airbench: 1e-12). So small an eps needs every channel to carry signal:
+            BN scales the gradient of a ~constant channel by ~1/sqrt(eps) (see :func:`whitening_weights`).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class AirbenchNet(nn.Module):
             widths: tuple[int, int, int] | list[int] = (64, 256, 256),
             in_channels: int = 3,
             logit_scale: float = 1 / 9,
+            bn_eps: float = 1e-12,
     ) -> None:
         super().__init__()
         if len(widths) != 3 or any(int(w) < 1 for w in widths):
@@ -73,10 +76,13 @@ class AirbenchNet(nn.Module):
         whiten_channels = 2 * in_channels * 2 * 2
         self.whiten = nn.Conv2d(in_channels, whiten_channels, kernel_size=2, padding=0, bias=True)
         self.whiten.weight.requires_grad_(False)
+        nn.init.zeros_(self.whiten.bias)  # as airbench: the bias starts at 0 and learns for a few epochs
         self.act = nn.GELU()
-        self.layer1 = ConvGroup(whiten_channels, widths[0])
-        self.layer2 = ConvGroup(widths[0], widths[1])
-        self.layer3 = ConvGroup(widths[1], widths[2])
+        if not bn_eps > 0:
+            raise ValueError(f"AirbenchNet: bn_eps must be > 0, got {bn_eps!r}")
+        self.layer1 = ConvGroup(whiten_channels, widths[0], bn_eps)
+        self.layer2 = ConvGroup(widths[0], widths[1], bn_eps)
+        self.layer3 = ConvGroup(widths[1], widths[2], bn_eps)
         self.head = nn.Linear(widths[2], num_classes, bias=False)
         self.logit_scale = logit_scale
 
@@ -94,10 +100,14 @@ class AirbenchNet(nn.Module):
         return self.head(self.forward_features(x)) * self.logit_scale
 
 
-def whitening_weights(images: torch.Tensor, eps: float = 5e-4) -> torch.Tensor:
+def whitening_weights(images: torch.Tensor, eps: float = 5e-4, rel_tol: float = 1e-6) -> torch.Tensor:
     """2x2 whitening filters: eigenvectors of the patch covariance over sqrt(eigenvalue + eps), then negated copies.
 
-    Returns a (2 * C * 4, C, 2, 2) weight, largest-variance directions first.
+    Returns a (2 * C * 4, C, 2, 2) weight, largest-variance directions first. Directions in which the data
+    does not vary (eigenvalue <= ``rel_tol`` x the largest; e.g. grey images stored in 3 identical channels)
+    would give channels that are ~0 on every image; after the dirac-initialised convolution, BN (eps 1e-12)
+    scales their gradients by ~1e6 and training blows up. Their filters are replaced by copies of the
+    informative ones, in order. On CIFAR-10 every direction is informative and nothing is replaced.
     """
     if images.dim() != 4 or images.shape[-1] < 2 or images.shape[-2] < 2:
         raise ValueError(f"whitening needs a batch of images (N, C, H>=2, W>=2), got shape {tuple(images.shape)}")
@@ -108,6 +118,11 @@ def whitening_weights(images: torch.Tensor, eps: float = 5e-4) -> torch.Tensor:
     eigenvalues, eigenvectors = torch.linalg.eigh(covariance.double())
     eigenvalues, eigenvectors = eigenvalues.flip(0).float(), eigenvectors.T.flip(0).float()
     filters = eigenvectors.reshape(-1, c, 2, 2) / torch.sqrt(eigenvalues.clamp_min(0) + eps).view(-1, 1, 1, 1)
+    informative = int((eigenvalues > rel_tol * eigenvalues[0].clamp_min(0)).sum())
+    if informative == 0:
+        raise ValueError("whitening: the images do not vary at all (constant images?)")
+    if informative < filters.shape[0]:
+        filters = filters[torch.arange(filters.shape[0]) % informative]
     return torch.cat((filters, -filters))
 
 

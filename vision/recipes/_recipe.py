@@ -152,7 +152,9 @@ class Recipe:
         self.augment.validate()
         if set(self.compile) - _compile_fields():
             unknown = sorted(set(self.compile) - _compile_fields())
-            raise ValueError(f"recipe {self.name!r}: unknown compile settings {unknown}; known: {sorted(_compile_fields())}")
+            raise ValueError(
+                f"recipe {self.name!r}: unknown compile settings {unknown}; known: {sorted(_compile_fields())}"
+            )
         return self
 
     def replace(self, **overrides: Any) -> Recipe:

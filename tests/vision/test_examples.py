@@ -1,0 +1,64 @@
+"""Every example script runs one tiny step (its ``--smoke`` mode), and the accuracy benchmark runs end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(relative: str):
+    path = os.path.join(ROOT, relative)
+    spec = importlib.util.spec_from_file_location(os.path.basename(relative)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.__doc__ and "python " + relative in module.__doc__  # documented at the top, with the command
+    return module
+
+
+def test_train_cifar10_smoke(capsys):
+    result = _load("examples/train_cifar10.py").main(["--smoke"])
+    assert 0.0 <= result["test/acc"] <= 1.0
+    assert "cifar10-airbench: test accuracy" in capsys.readouterr().out
+
+
+def test_train_cifar10_other_recipe_and_errors():
+    example = _load("examples/train_cifar10.py")
+    assert 0.0 <= example.main(["--smoke", "--recipe", "cifar10-resnet18"])["test/acc"] <= 1.0
+    with pytest.raises(SystemExit, match="--data-root DIR"):
+        example.main([])
+    with pytest.raises(SystemExit, match="not CIFAR-10"):
+        example.main(["--recipe", "digits-small", "--smoke"])
+
+
+def test_train_imagefolder_smoke(capsys):
+    example = _load("examples/train_imagefolder.py")
+    assert 0.0 <= example.main(["--smoke"])["test/acc"] <= 1.0
+    assert "resnet50 on" in capsys.readouterr().out
+    # any torchvision name as backbone
+    assert 0.0 <= example.main(["--smoke", "--model", "squeezenet1_1", "--image-size", "64"])["test/acc"] <= 1.0
+    with pytest.raises(SystemExit, match="--root DIR"):
+        example.main([])
+
+
+def test_compare_compile_smoke(capsys):
+    report = _load("examples/compare_compile.py").main(["--smoke"])
+    assert set(report["ratios"]) == {"steady", "whole_run"} and all(r > 0 for r in report["ratios"].values())
+    assert report["runs"]["compiled"][0]["steps"] == 2 and report["runs"]["eager"][0]["steps"] == 2
+    assert "eager / compiled:" in capsys.readouterr().out
+
+
+def test_cifar10_accuracy_benchmark_tiny(cifar_zip, tmp_path, monkeypatch):
+    bench = _load("benchmarks/cifar10_accuracy.py")
+    monkeypatch.setattr("benchmarks._common.RESULTS_DIR", str(tmp_path))
+    payload = bench.main(["--zip", cifar_zip, "--limit-per-class", "20", "--epochs", "1", "--batch-size", "50",
+                          "--widths", "8", "8", "8", "--tta", "flip", "--tag", "test"])
+    written = json.loads((tmp_path / "cifar10_accuracy-cpu-test.json").read_text())
+    assert written["test_accuracy"] == payload["test_accuracy"] and 0.0 <= payload["test_accuracy"] <= 1.0
+    assert written["train_images"] == 200 and written["test_images"] == 200 and written["steps"] == 4
+    assert written["reduced"]["epochs"] == {"full": 10, "used": 1}
+    assert written["reduced"]["tta"] == {"full": "flip_translate", "used": "flip"}

@@ -1,0 +1,132 @@
+"""ClassificationModule: schedules, parameter groups, EMA/lookahead in a real fit, whitening, validation."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from vision.module import ClassificationModule, lr_factor
+from vision.recipes import DigitsData, build_module
+
+
+def _hp(**kwargs) -> SimpleNamespace:
+    base = dict(warmup_fraction=0.0, warmup_start_factor=0.01, schedule="cosine", final_lr_factor=0.0,
+                step_epochs=30, step_gamma=0.1)
+    return SimpleNamespace(**{**base, **kwargs})
+
+
+def test_triangle_schedule_is_airbench_interpolation():
+    total = 97
+    hp = _hp(schedule="triangle", warmup_fraction=0.23, warmup_start_factor=0.2, final_lr_factor=0.07)
+    warmup = int(round(0.23 * total))
+    expected = np.interp(np.arange(total + 1), [0, warmup, total], [0.2, 1.0, 0.07])
+    np.testing.assert_allclose([lr_factor(s, total, 10, hp) for s in range(total + 1)], expected, atol=1e-12)
+
+
+def test_cosine_schedule_matches_torch_cosine_annealing():
+    total = 50
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    reference = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total, eta_min=0.1)
+    values = []
+    for _ in range(total + 1):
+        values.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    hp = _hp(final_lr_factor=0.1)
+    np.testing.assert_allclose([lr_factor(s, total, 5, hp) for s in range(total + 1)], values, atol=1e-9)
+
+
+def test_step_schedule():
+    hp = _hp(schedule="step", step_epochs=2, step_gamma=0.5)
+    assert [lr_factor(s, 100, 10, hp) for s in (0, 19, 20, 39, 40)] == [1.0, 1.0, 0.5, 0.5, 0.25]
+
+
+def test_airbench_parameter_groups():
+    module = build_module("cifar10-airbench", num_classes=10)
+    module.trainer = SimpleNamespace(estimated_stepping_batches=100, max_epochs=10)  # what configure needs
+    optimizer = module.configure_optimizers()["optimizer"]
+    weights, norms = optimizer.param_groups
+    model = module.model
+    bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert {id(p) for p in norms["params"]} == bn_biases  # BN scales are frozen, so not in any group
+    assert id(model.whiten.bias) in {id(p) for p in weights["params"]}
+    assert id(model.whiten.weight) not in {id(p) for p in weights["params"]}  # frozen filters
+    hp = module.hparams
+    assert norms["initial_lr"] == pytest.approx(64 * hp.lr)
+    assert norms["weight_decay"] == pytest.approx(hp.weight_decay / 64)
+    assert norms["initial_lr"] * norms["weight_decay"] == pytest.approx(weights["initial_lr"] * weights["weight_decay"])
+    assert weights["lr"] == pytest.approx(0.2 * hp.lr)  # the schedule starts at 0.2x
+    assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.85
+    # airbench: lr 11.5 and wd 0.0153 per 1024 summed-loss examples -> mean-loss lr 1.5, same per-step decay
+    assert hp.lr == pytest.approx(1.5, rel=1e-3)
+    assert hp.lr * hp.weight_decay == pytest.approx((11.5 / 1024 / 7.6667) * (0.0153 / 7.6667), rel=1e-3)
+
+
+def test_eval_uses_the_ema_weights():
+    module = ClassificationModule(model="airbench94", num_classes=3, model_kwargs={"widths": [4, 4, 4]},
+                                  ema_decay=0.5)
+    with torch.no_grad():
+        module.ema.module.head.weight.mul_(-1.0)
+    x = torch.randn(2, 3, 16, 16)
+    module.eval()
+    torch.testing.assert_close(module(x), module.ema.module(x))
+    module.train()
+    torch.testing.assert_close(module(x), module.model(x))
+    assert not torch.allclose(module.ema.module(x), module.model.eval()(x))
+
+
+def test_whitening_needs_a_whitening_model():
+    with pytest.raises(ValueError, match="whitening_images=10 needs a model with a whitening layer"):
+        ClassificationModule(model="resnet18", num_classes=10, whitening_images=10, model_kwargs={"width": 4})
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ema_decay": 0.9, "lookahead": True}, "turn on only one"),
+    ({"lr": 0.0}, "lr must be > 0"),
+    ({"optimizer": "lamb"}, "optimizer must be"),
+    ({"label_smoothing": 1.0}, "label_smoothing"),
+    ({"tta": "rotate"}, "tta must be one of"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClassificationModule(**kwargs)
+
+
+def _fit(module: ClassificationModule, epochs: int, batches: int) -> pl.Trainer:
+    trainer = pl.Trainer(max_epochs=epochs, limit_train_batches=batches, limit_val_batches=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    trainer.fit(module, DigitsData(batch_size=32, image_size=16))
+    return trainer
+
+
+def test_lookahead_ends_on_the_average_and_whitening_bias_freezes():
+    module = ClassificationModule(model="airbench94", model_kwargs={"widths": [8, 8, 8]}, lookahead=True,
+                                  ema_every_n_steps=2, whitening_images=64, whitening_bias_epochs=1, lr=0.05)
+    biases = []
+
+    class RecordBias(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            biases.append(pl_module.model.whiten.bias.detach().clone())
+
+    trainer = pl.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[RecordBias()])
+    data = DigitsData(batch_size=32, image_size=16)
+    trainer.fit(module, data)
+    assert trainer.global_step == 6
+    for name, value in module.model.state_dict().items():
+        torch.testing.assert_close(value, module.ema.module.state_dict()[name], msg=name)
+    # whitening filters come from the data: they whiten the first 64 (normalised) training images
+    from vision.models import whitening_weights
+
+    torch.testing.assert_close(module.model.whiten.weight, whitening_weights(data.sample_train_images(64).float()))
+    assert not module.model.whiten.bias.requires_grad
+    # epoch 1 (the second) trained without the bias: only lookahead averaging could move it, and the
+    # average of an unchanged value is the value
+    torch.testing.assert_close(biases[1], biases[0])

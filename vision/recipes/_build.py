@@ -1,0 +1,140 @@
+"""How a :class:`Recipe` becomes Lightning objects: the only place that knows the mapping.
+
+Two spellings of the same mapping: :func:`recipe_defaults` gives the ``model``/``data``/``trainer``
+settings as plain config values (what ``lcv`` installs as parser defaults, so any flag or ``--config``
+file overrides them), and :func:`build` / :func:`build_trainer` give ready objects for Python scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from vision.recipes._data import DATAMODULES
+from vision.recipes._recipe import Recipe
+from vision.recipes._registry import get_recipe
+
+__all__ = [
+    "build",
+    "build_datamodule",
+    "build_module",
+    "build_trainer",
+    "data_kwargs",
+    "default_callbacks",
+    "module_kwargs",
+    "recipe_defaults",
+    "trainer_kwargs",
+]
+
+
+def _resolve(recipe: Recipe | str) -> Recipe:
+    return get_recipe(recipe) if isinstance(recipe, str) else recipe
+
+
+def module_kwargs(recipe: Recipe | str) -> dict[str, Any]:
+    """``ClassificationModule`` arguments (without ``num_classes``, which comes from the data)."""
+    recipe = _resolve(recipe)
+    return {
+        **recipe.module_kwargs(),
+        "channels_last": bool(recipe.compile.get("channels_last", False)),
+        "recipe": recipe.name,
+    }
+
+
+def data_kwargs(recipe: Recipe | str) -> dict[str, Any]:
+    """Arguments of the recipe's DataModule (``augment`` is an ``AugmentConfig``)."""
+    recipe = _resolve(recipe)
+    return {
+        "batch_size": recipe.batch_size,
+        "seed": recipe.seed,
+        "augment": dataclasses.replace(recipe.augment),
+        **recipe.data_kwargs,
+    }
+
+
+def trainer_kwargs(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, Any]:
+    """``Trainer`` settings the recipe decides: epochs, precision, and the strategy.
+
+    On a GPU: ``strategy="compiled"`` with the recipe's compile settings and the recipe's precision.
+    On CPU: Lightning's default eager strategy in fp32, because compiling pays off on CPU only for long
+    runs (the compile time is not won back in a few minutes of training) and CPU bf16 autocast is slow.
+    """
+    recipe = _resolve(recipe)
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if gpu:
+        strategy: Any = {"class_path": "lightning_plugin.CompiledStrategy", "init_args": dict(recipe.compile)}
+    else:
+        strategy = "auto"
+    return {
+        "max_epochs": recipe.epochs,
+        "precision": recipe.precision if gpu else "32-true",
+        "strategy": strategy,
+    }
+
+
+def recipe_defaults(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, Any]:
+    """``{"model": ..., "data": ..., "trainer": ..., "seed_everything": ...}`` for ``lcv``'s parser."""
+    recipe = _resolve(recipe)
+    return {
+        "model": module_kwargs(recipe),
+        "data": data_kwargs(recipe),
+        "trainer": trainer_kwargs(recipe, gpu),
+        "seed_everything": recipe.seed,
+    }
+
+
+def build_datamodule(recipe: Recipe | str, **overrides: Any) -> pl.LightningDataModule:
+    """The recipe's DataModule; ``overrides`` (e.g. ``root=``, ``batch_size=``) win, ``None`` values are ignored."""
+    recipe = _resolve(recipe)
+    kwargs = {**data_kwargs(recipe), **{k: v for k, v in overrides.items() if v is not None}}
+    return DATAMODULES[recipe.dataset](**kwargs)
+
+
+def build_module(recipe: Recipe | str, num_classes: int, **overrides: Any) -> pl.LightningModule:
+    """The recipe's ``ClassificationModule``; ``overrides`` win, ``None`` values are ignored."""
+    from vision.module import ClassificationModule
+
+    kwargs = {**module_kwargs(recipe), **{k: v for k, v in overrides.items() if v is not None}}
+    return ClassificationModule(num_classes=num_classes, **kwargs)
+
+
+def build(
+    recipe: Recipe | str, data: dict[str, Any] | None = None, model: dict[str, Any] | None = None
+) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    """``(module, datamodule)`` for ``recipe`` with optional overrides of each."""
+    datamodule = build_datamodule(recipe, **(data or {}))
+    module = build_module(recipe, int(datamodule.num_classes), **(model or {}))
+    return module, datamodule
+
+
+def default_callbacks(monitor: bool = True, progress_bar: bool = True) -> list[pl.Callback]:
+    """The callbacks ``lcv fit`` adds: best-and-last checkpoints, the ``TrainingMonitor``, a rich progress bar."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+
+    callbacks: list[pl.Callback] = [
+        ModelCheckpoint(monitor="val/acc", mode="max", save_last=True, filename="best-{epoch}-{step}")
+    ]
+    if monitor:
+        from lightning_plugin.callbacks import TrainingMonitor
+
+        callbacks.append(TrainingMonitor())
+    if progress_bar:
+        callbacks.append(RichProgressBar())
+    return callbacks
+
+
+def build_trainer(recipe: Recipe | str, gpu: bool | None = None, **overrides: Any) -> pl.Trainer:
+    """A ``Trainer`` with the recipe's epochs/precision/strategy; ``overrides`` are ``Trainer`` arguments."""
+    import lightning_plugin  # noqa: F401  (registers strategy="compiled")
+
+    kwargs = trainer_kwargs(recipe, gpu)
+    strategy = kwargs["strategy"]
+    if isinstance(strategy, dict):
+        from lightning_plugin import CompiledStrategy
+
+        kwargs["strategy"] = CompiledStrategy(**strategy["init_args"])
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)

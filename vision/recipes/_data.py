@@ -1,0 +1,168 @@
+"""The DataModules a recipe trains on: ``vision.data``'s three, plus a typed ``augment`` argument.
+
+Why subclasses: ``vision.data`` DataModules take a ``Pipeline`` object, which a command line cannot
+spell. These take an :class:`~vision.recipes.AugmentConfig` instead (``--data.augment.cutout 8``) and
+build the pipeline from it with the DataModule's own mean/std/size/classes, and they hide the
+arguments a recipe always fixes (output dtype float32, pipeline objects).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from typing_extensions import override
+
+from vision.data.color import Normalize
+from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
+from vision.data.datasets import OnCorrupt
+from vision.data.geometry import CenterCrop, ResizeCenterCrop
+from vision.data.pipeline import Pipeline
+from vision.recipes._pipeline import build_train_pipeline
+from vision.recipes._recipe import AugmentConfig
+
+__all__ = ["CIFAR10Data", "DigitsData", "ImageFolderData", "RecipeData", "DATAMODULES"]
+
+
+class RecipeData:
+    """Mixin: an ``augment`` config turned into the train pipeline, and access to raw training images."""
+
+    augment: AugmentConfig | None
+
+    @override
+    def default_train_pipeline(self) -> Pipeline:
+        if self.augment is None:
+            return super().default_train_pipeline()  # type: ignore[misc]
+        return build_train_pipeline(
+            self.augment,
+            mean=self.mean,  # type: ignore[attr-defined]
+            std=self.std,  # type: ignore[attr-defined]
+            image_size=self.image_size,  # type: ignore[attr-defined]
+            num_classes=self.num_classes,  # type: ignore[attr-defined]
+            epoch=self._train_epoch,
+            seed=self.seed,  # type: ignore[attr-defined]
+        )
+
+    def _train_epoch(self) -> int:
+        loader = getattr(self, "_train_loader", None)
+        return 0 if loader is None else int(loader.epoch)
+
+    @override
+    def predict_dataloader(self) -> Any:
+        """Predictions run over the test split (no augmentation; batches still carry their labels)."""
+        return self.test_dataloader()  # type: ignore[attr-defined]
+
+    def sample_train_images(self, n: int) -> torch.Tensor:
+        """``n`` training images drawn at random (seeded with ``seed``), normalised but not augmented.
+
+        For data-dependent initialisation (airbench's whitening layer takes the first 5,000 images of
+        CIFAR-10's shuffled order). A random draw, not the first ``n`` files: ImageFolder trees are sorted
+        by class, so the first 5,000 CIFAR-10 JPEGs are all airplanes. It does not touch the train loader,
+        so its position and its checkpointed state stay exact.
+        """
+        loader = self._loader("train", train=False)  # type: ignore[attr-defined]
+        loader.shuffle = True  # epoch 0's seeded permutation
+        chunks, count = [], 0
+        for images, _ in loader:
+            chunks.append(images)
+            count += images.shape[0]
+            if count >= n:
+                break
+        return torch.cat(chunks)[:n]
+
+
+class DigitsData(RecipeData, DigitsDataModule):
+    """:class:`vision.data.DigitsDataModule` (bundled sklearn digits, no download) with ``augment``."""
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        image_size: int = 32,
+        augment: AugmentConfig | None = None,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(batch_size=batch_size, image_size=image_size, seed=seed, drop_last=drop_last)
+        self.augment = augment
+
+
+class CIFAR10Data(RecipeData, CIFAR10DataModule):
+    """:class:`vision.data.CIFAR10DataModule` with ``augment``.
+
+    Give ``root`` (torchvision's CIFAR-10 there; ``download=True`` fetches it) or ``zip_path`` (a zip or
+    folder of JPEGs in ImageFolder layout with ``train/`` and ``test/``).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        zip_path: str | None = None,
+        download: bool = False,
+        batch_size: int = 512,
+        augment: AugmentConfig | None = None,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_workers: int = 2,
+        limit_per_class: int | None = None,
+    ) -> None:
+        super().__init__(
+            root=root, zip_path=zip_path, download=download, batch_size=batch_size, seed=seed,
+            drop_last=drop_last, num_workers=num_workers, limit_per_class=limit_per_class,
+        )
+        self.augment = augment
+
+
+class ImageFolderData(RecipeData, ImageFolderDataModule):
+    """:class:`vision.data.ImageFolderDataModule` with ``augment`` and a separate evaluation size.
+
+    ``storage="encoded"`` keeps the files encoded and decodes each batch (data sets too large to hold
+    decoded, e.g. ImageNet); ``"uint8"`` decodes everything once into ``storage_size`` squares.
+
+    ``eval_image_size`` (FixRes, Touvron et al. 2019): evaluate on a centre crop of this side taken from the
+    stored squares (``storage_size``), e.g. train 176 / store 232 / evaluate 224 as in torchvision's
+    ResNet-50 recipe. ``None`` keeps the base class's evaluation crop.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        image_size: int = 224,
+        batch_size: int = 64,
+        augment: AugmentConfig | None = None,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_workers: int = 2,
+        storage_size: int | None = None,
+        eval_image_size: int | None = None,
+        on_corrupt: OnCorrupt = "raise",
+        limit_per_class: int | None = None,
+        val_split: str = "val",
+        storage: Literal["uint8", "encoded"] = "uint8",
+    ) -> None:
+        if root is None:
+            raise ValueError("ImageFolderData: give root='<dir or .zip>' with train/<class>/* and val/<class>/*")
+        super().__init__(
+            root=root, image_size=image_size, batch_size=batch_size, seed=seed, drop_last=drop_last,
+            num_workers=num_workers, storage_size=storage_size, on_corrupt=on_corrupt,
+            limit_per_class=limit_per_class, val_split=val_split, storage=storage,
+        )
+        if eval_image_size is not None and storage == "uint8" and not 0 < eval_image_size <= self.storage_size:
+            raise ValueError(
+                f"ImageFolderData: eval_image_size={eval_image_size} must be in [1, storage_size={self.storage_size}]"
+            )
+        self.augment = augment
+        self.eval_image_size = eval_image_size
+
+    @override
+    def default_eval_pipeline(self) -> Pipeline:
+        if self.eval_image_size is None:
+            return super().default_eval_pipeline()
+        if self.storage == "encoded":  # files of any size: shorter side to storage_size, centre crop
+            first: Any = ResizeCenterCrop(self.eval_image_size, max(self.storage_size, self.eval_image_size))
+        else:
+            first = CenterCrop(self.eval_image_size)
+        return Pipeline([first, Normalize(self.mean, self.std)], dtype=self.dtype)
+
+
+#: recipe ``dataset`` -> DataModule class.
+DATAMODULES: dict[str, type[Any]] = {"digits": DigitsData, "cifar10": CIFAR10Data, "imagefolder": ImageFolderData}
