@@ -50,18 +50,20 @@ def steps() -> list[Step]:
     cifar_zip = DEVICE_CIFAR_ZIP if os.path.exists(DEVICE_CIFAR_ZIP) else os.path.join(
         ROOT, "..", "shared", "data", "cifar10-jpeg.zip"
     )
+    # Limits add up to ~8 minutes: the whole device budget is 15, machine start included.
     return [
-        Step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests", "-x",
-                       "--timeout", "300"], 150),
+        Step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
+                       "--timeout", "120"], 90),
         Step("conv", [py, "benchmarks/conv.py", "--layers", "conv1_7x7s2", "layer1_3x3", "layer2_3x3",
-                      "layer3_1x1_reduce", "layer4_3x3", "--repeats", "20"], 100, "conv-gpu.json", "benchmarks/conv.py"),
-        Step("resnet_train", [py, "benchmarks/resnet_train.py", "--quick"], 120, "resnet_train-gpu.json",
+                      "layer3_1x1_reduce", "layer4_3x3", "--repeats", "20"], 75, "conv-gpu.json", "benchmarks/conv.py"),
+        Step("resnet_train", [py, "benchmarks/resnet_train.py", "--variants", "eager", "compile", "ours",
+                              "ours_no_conv", "max_autotune", "--repeats", "3"], 160, "resnet_train-gpu.json",
              "benchmarks/resnet_train.py"),
         Step("loader", [py, "benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048",
-                        "--repeats", "3"], 60, "loader-gpu.json", "benchmarks/loader.py"),
+                        "--repeats", "3"], 45, "loader-gpu.json", "benchmarks/loader.py"),
         Step("strategy_overhead", [py, "benchmarks/strategy_overhead.py", "--batch", "256", "--channels", "64",
-                                   "--repeats", "3"], 60, "strategy_overhead-cuda.json"),
-        Step("cifar10_accuracy", [py, "benchmarks/cifar10_accuracy.py", "--zip", cifar_zip], 120,
+                                   "--repeats", "3"], 35, "strategy_overhead-cuda.json"),
+        Step("cifar10_accuracy", [py, "benchmarks/cifar10_accuracy.py", "--zip", cifar_zip], 75,
              "cifar10_accuracy-gpu.json", "benchmarks/cifar10_accuracy.py"),
     ]
 
