@@ -2,8 +2,9 @@
 
 airbench's published hyperparameters are for a *summed* loss at batch 1024 with Nesterov momentum
 0.85, where lr 11.5 and weight decay 0.0153 are divided by ``1024 * (1 + 1 / (1 - 0.85))``.
-For our mean-reduced loss that is lr = 11.5 / 7.667 = 1.5 and wd = 0.0153 / 7.667 / 1024 = 1.95e-6
-(the per-step decay ``lr * wd`` is the same in both forms).
+airbench hands PyTorch ``weight_decay = wd / lr`` with ``wd = 0.0153 * 1024 / kilostep``, so every step
+decays the weights by ``lr * weight_decay = 0.0153 / 7.667``. For our mean-reduced loss the gradient is
+1024x smaller, so lr = 11.5 / 7.667 = 1.5, and the same per-step decay needs wd = 0.0153 / 11.5 = 1.33e-3.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ register_recipe(
             lr=11.5 / _AIRBENCH_KILOSTEP,
             momentum=_AIRBENCH_MOMENTUM,
             nesterov=True,
-            weight_decay=0.0153 / _AIRBENCH_KILOSTEP / 1024,
+            weight_decay=0.0153 / 11.5,  # lr * wd = 0.0153 / kilostep, as airbench's SGD
             bias_lr_scale=64.0,
             schedule="triangle",
             warmup_fraction=0.23,
