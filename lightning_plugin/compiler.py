@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from lightning_plugin.compile_stats import CompileStats, make_backend
@@ -129,11 +130,17 @@ class ModuleCompiler:
             if self._use_eager or (not config.compile_eval and not target.training):
                 return eager(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                # AOTAutograd normally compiles the backward graph lazily, at the first loss.backward(),
+                # outside this try; lowering it now makes a failing backward compile fall back too.
+                with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                    return compiled(*args, **kwargs)
             except COMPILE_ERRORS as err:
                 if config.fallback == "raise":
                     raise
-                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                first_line = _first_line(err)
+                inner = getattr(err, "inner_exception", None)  # BackendCompilerFailed wraps the real error
+                if isinstance(inner, BaseException):
+                    first_line = f"{type(inner).__name__}: {_first_line(inner)}"
                 warnings.warn(
                     f"torch.compile failed for {type(target).__name__}.forward ({type(err).__name__}: "
                     f"{first_line}); continuing in eager mode (CompileConfig(fallback='eager')). "
@@ -147,6 +154,11 @@ class ModuleCompiler:
 
         forward.__lcv_compiled__ = True  # type: ignore[attr-defined]
         return forward
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def already_compiled_reason(module: nn.Module) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,8 @@ class LcvCLI(LightningCLI):
                 "init_args": {"monitor": "val/acc", "mode": "max", "save_last": True,
                               "filename": "best-{epoch}-{step}"},
             },
+            {"class_path": "lightning_plugin.callbacks.FaultTolerantCheckpoint"},
+            {"class_path": "lightning_plugin.callbacks.NonFiniteLossGuard"},
             {"class_path": "lightning_plugin.callbacks.TrainingMonitor"},
             {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
         ]
@@ -189,6 +192,17 @@ class LcvCLI(LightningCLI):
             self.test_results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         if self.trainer.is_global_zero:
             print(self.fit_summary())
+
+    def fit(self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any) -> None:
+        if ckpt_path is not None:
+            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+            return
+        with warnings.catch_warnings():
+            # With FaultTolerantCheckpoint among the callbacks, Lightning turns ckpt_path=None into "last" and
+            # warns twice; a new lcv run has its own version folder, so there is nothing to resume: not news.
+            warnings.filterwarnings("ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model")
+            warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
+            self.trainer.fit(model, datamodule=datamodule, **kwargs)
 
     def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("return_predictions", True)
@@ -233,7 +247,7 @@ class LcvCLI(LightningCLI):
 # ------------------------------------------------------------------------------------------- checks
 _DISABLES = {  # Trainer flag that, when false, rules out these default callbacks (Lightning would refuse them)
     "enable_progress_bar": ("RichProgressBar", "TQDMProgressBar"),
-    "enable_checkpointing": ("ModelCheckpoint",),
+    "enable_checkpointing": ("ModelCheckpoint", "FaultTolerantCheckpoint"),
 }
 
 

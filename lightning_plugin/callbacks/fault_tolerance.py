@@ -33,16 +33,34 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
     reach the exception (as with SIGTERM, which Lightning broadcasts): saving is collective.
 
     Args:
-        dirpath: where to write the checkpoint.
+        dirpath: where to write the checkpoint; ``None`` = the run's ``checkpoints`` folder (next to
+            ``ModelCheckpoint``'s: ``<logger log_dir>/checkpoints``, or ``<default_root_dir>/checkpoints``
+            without a logger), resolved when fit starts.
         filename: file name without the ``.ckpt`` extension.
     """
 
-    def __init__(self, dirpath: _PATH, filename: str = "interrupted") -> None:
-        if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
-            raise ValueError(f"FaultTolerantCheckpoint: dirpath must be a non-empty path, got {dirpath!r}")
-        super().__init__(dirpath, filename)
+    def __init__(self, dirpath: _PATH | None = None, filename: str = "interrupted") -> None:
+        if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath)):
+            raise ValueError(f"FaultTolerantCheckpoint: dirpath must be a non-empty path or None, got {dirpath!r}")
+        super().__init__(dirpath if dirpath is not None else "", filename)
+        self._resolve_dirpath = dirpath is None
         self._loader_states_at_step_end: list[dict[str, Any]] | None = None
         self._saving_after_exception = False
+
+    @property
+    @override
+    def ckpt_path(self) -> str | None:  # type: ignore[override]
+        """The checkpoint file; ``None`` while ``dirpath=None`` is not resolved yet (before fit starts)."""
+        if self._resolve_dirpath and not self.dirpath:
+            return None
+        return super().ckpt_path
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._resolve_dirpath:
+            root = trainer.log_dir if trainer.loggers else None
+            dirpath = os.path.join(root or trainer.default_root_dir, "checkpoints")
+            self.dirpath = trainer.strategy.broadcast(dirpath)  # rank 0's logger version decides
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -352,3 +352,32 @@ def test_trainer_compiled_strategy_with_substitutions(caplog, reference_ops):
     assert not substituted_modules(fused_module), "teardown must undo the substitutions"
     for step, (a, b) in enumerate(zip(eager_module.losses, fused_module.losses, strict=True)):
         _assert_close(torch.tensor(b), torch.tensor(a), "train", f"loss at step {step}")
+
+
+class _StackModule(_TinyResNetModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _stack()
+
+
+def test_trainer_compiled_strategy_runs_the_triton_kernels_without_graph_breaks():
+    """The same check with the Triton kernels in the interpreter (TRITON_INTERPRET=1 from conftest), every
+    substitution kind (conv+BN+act, BN+act, GroupNorm+act, LayerNorm2d+act), fullgraph, tiny shapes."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
+    torch.manual_seed(0)
+    eager_module = _StackModule()
+    fused_module = copy.deepcopy(eager_module)
+    L.Trainer(**{**TRAINER_KWARGS, "max_steps": 2}).fit(eager_module, DataLoader(data, batch_size=2))
+    strategy = CompiledStrategy(backend="aot_eager", kernels="all", fullgraph=True)
+    record = _RecordBlocks()
+    L.Trainer(strategy=strategy, callbacks=[record], **{**TRAINER_KWARGS, "max_steps": 2}).fit(
+        fused_module, DataLoader(data, batch_size=2)
+    )
+    stats = strategy.compile_stats
+    assert stats.graphs >= 1 and stats.graph_breaks == 0 and not stats.fell_back, stats.break_reasons
+    kinds = {k for r in record.blocks for k in r.kind.split("+")}
+    assert kinds >= {"conv_bn_act", "groupnorm_act", "layernorm2d_act"}, kinds
+    assert len(fused_module.losses) == 2
+    for step, (a, b) in enumerate(zip(eager_module.losses, fused_module.losses, strict=True)):
+        _assert_close(torch.tensor(b), torch.tensor(a), "train", f"loss at step {step}")

@@ -183,6 +183,26 @@ def test_rerun_without_ckpt_path_resumes_from_the_interrupt_checkpoint(tmp_path,
     assert not os.path.exists(saver.ckpt_path)
 
 
+def test_default_dirpath_is_the_runs_checkpoint_folder(tmp_path, uninterrupted) -> None:
+    """``FaultTolerantCheckpoint()`` (as ``lcv fit`` adds it) writes next to ModelCheckpoint's files."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    saver = FaultTolerantCheckpoint()
+    assert saver.ckpt_path is None  # nothing to auto-resume from before the run's folder is known
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path), accelerator="cpu", max_epochs=EPOCHS, callbacks=[saver, ModelCheckpoint()],
+        logger=TensorBoardLogger(str(tmp_path), name="run"), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.fit(fresh_model(fail_at_step=7), ResumableBatches())
+    expected = tmp_path / "run" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert saver.ckpt_path == str(expected) and expected.exists()
+    assert trainer.checkpoint_callback.dirpath == str(expected.parent)
+    _assert_same_weights(_resume(str(expected), tmp_path / "resume"), uninterrupted)
+
+
 def test_warns_when_the_loader_cannot_resume_mid_epoch(tmp_path) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 

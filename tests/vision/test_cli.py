@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_plugin import CompiledStrategy
-from lightning_plugin.callbacks import TrainingMonitor
+from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard, TrainingMonitor
 from vision.cli import LcvCLI, _recipe_name, main, run
 from vision.recipes import get_recipe, list_recipes
 
@@ -97,6 +97,7 @@ def test_recipe_defaults_then_config_then_flags(tmp_path):
     assert not isinstance(cli.trainer.strategy, CompiledStrategy) and cli.trainer.precision == "32-true"
     kinds = [type(c) for c in cli.trainer.callbacks]
     assert ModelCheckpoint in kinds and TrainingMonitor in kinds and RichProgressBar in kinds
+    assert FaultTolerantCheckpoint in kinds and NonFiniteLossGuard in kinds
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == "digits-small"
     assert cli.trainer.checkpoint_callback.monitor == "val/acc" and cli.trainer.checkpoint_callback.save_last
 

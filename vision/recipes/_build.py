@@ -111,11 +111,16 @@ def build(
 
 
 def default_callbacks(monitor: bool = True, progress_bar: bool = True) -> list[pl.Callback]:
-    """The callbacks ``lcv fit`` adds: best-and-last checkpoints, the ``TrainingMonitor``, a rich progress bar."""
+    """The callbacks ``lcv fit`` adds: best-and-last checkpoints, a checkpoint of an interrupted run
+    (``interrupted.ckpt``), a NaN/Inf loss guard, the ``TrainingMonitor`` and a rich progress bar."""
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
+    from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard
+
     callbacks: list[pl.Callback] = [
-        ModelCheckpoint(monitor="val/acc", mode="max", save_last=True, filename="best-{epoch}-{step}")
+        ModelCheckpoint(monitor="val/acc", mode="max", save_last=True, filename="best-{epoch}-{step}"),
+        FaultTolerantCheckpoint(),
+        NonFiniteLossGuard(),
     ]
     if monitor:
         from lightning_plugin.callbacks import TrainingMonitor
