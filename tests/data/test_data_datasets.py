@@ -280,3 +280,37 @@ def test_batched_jpeg_decode_failure_names_or_skips_the_corrupt_file(tmp_path):
         else:
             out = call()
             assert [o is None for o in out] == [enc.sources[i].endswith("zz_broken.jpg") for i in jpeg_ids]
+
+
+@pytest.mark.parametrize("world_size", [3, 7])  # 7 divides none of the splits: the "exact" remainder case
+def test_datamodule_shards_are_disjoint_and_cover_every_sample(world_size):
+    """Each sample's identity travels as its target (its index in the split); val/test images are checked
+    against the stored pixels of that index, so a shard cannot pair one sample's target with another's
+    image."""
+    from types import SimpleNamespace
+
+    from vision.data.datasets import ImageSet
+
+    dm = DigitsDataModule(batch_size=16, image_size=8)
+    dm.setup("fit")
+    for name, split in list(dm._splits.items()):
+        dm._splits[name] = ImageSet(split.images, torch.arange(len(split)), split.class_names)
+    loaders = {"train": dm.train_dataloader, "val": dm.val_dataloader, "test": dm.test_dataloader}
+    for name, train in (("train", True), ("val", False), ("test", False)):
+        stored = dm._splits[name].images
+        shards = []
+        for rank in range(world_size):
+            dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                                         global_rank=rank, world_size=world_size)
+            loader = loaders[name]()
+            ids = []
+            for x, y in loader:
+                if not train:  # eval pipeline: Normalize(0.5, 0.5) of the stored uint8 pixels, no randomness
+                    torch.testing.assert_close(x, (stored[y].float() / 255 - 0.5) / 0.5)
+                ids.append(y)
+            shards.append(torch.cat(ids))
+        sizes = sorted(len(s) for s in shards)
+        assert sizes[-1] - sizes[0] <= 1, (name, sizes)  # balanced
+        everything = torch.cat(shards)
+        assert len(everything) == len(stored), name  # no sample twice (so the shards are disjoint) ...
+        assert torch.equal(everything.sort().values, torch.arange(len(stored))), name  # ... and none missing

@@ -422,3 +422,58 @@ def test_cpu_chunked_path_equals_whole_batch(real_images, threads):
         whole = op.apply(whole, prm)
     assert chunked.is_contiguous(memory_format=torch.channels_last) and chunked.shape == (18, 3, 112, 112)
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
+
+
+def _mixing_draws(mode: str, n: int = 8, seeds: int = 40):
+    op = MixupCutmix(5, mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, mode=mode)
+    return op, [op.sample(n, 16, 16, torch.Generator().manual_seed(s)) for s in range(seeds)]
+
+
+def test_mixup_cutmix_batch_mode_shares_one_draw_per_batch():
+    """timm Mixup(mode='batch'): one lam, one mixup-or-cutmix choice and one box for the whole batch."""
+    op, draws = _mixing_draws("batch")
+    kinds = set()
+    for p in draws:
+        for key in ("lam", "cutmix", "boxes"):
+            assert (p[key] == p[key][:1]).all(), key
+        kinds.add(bool(p["cutmix"][0]))
+        # on the images: every sample changed in the same box (cutmix) or by the same lam (mixup)
+        x = torch.randn(8, 3, 16, 16)
+        x[3] = x[4]  # the middle pair's partners are equal: no visible change there
+        out = op.apply(x, p)
+        partner = x.flip(0)
+        if p["cutmix"][0]:
+            changed = (out != x).any(1)
+            should = (x != partner).any(1)
+            x0, y0, x1, y1 = p["boxes"][0].tolist()
+            box = torch.zeros(16, 16, dtype=torch.bool)
+            box[y0:y1, x0:x1] = True
+            assert torch.equal(changed, should & box)
+        else:
+            lam = p["lam"][0].item()
+            torch.testing.assert_close(out, lam * x + (1 - lam) * partner)
+    assert kinds == {True, False}  # both kinds were drawn across the seeds
+
+
+def test_mixup_cutmix_pair_mode_shares_draws_within_pairs_only():
+    """timm Mixup(mode='pair'): samples i and N-1-i share lam, kind and box; other pairs draw their own."""
+    op, draws = _mixing_draws("pair")
+    n = 8
+    differs_across_pairs = {"lam": False, "cutmix": False}
+    for p in draws:
+        for key in ("lam", "cutmix", "boxes"):
+            assert torch.equal(p[key], p[key].flip(0)), key  # element i == element N-1-i
+        differs_across_pairs["lam"] |= p["lam"][: n // 2].unique().numel() > 1
+        differs_across_pairs["cutmix"] |= p["cutmix"][: n // 2].unique().numel() > 1
+        # timm mixes a pair symmetrically: what i takes from j, j takes from i, so the pair's sum is kept
+        x = torch.randn(n, 3, 16, 16)
+        out = op.apply(x, p)
+        torch.testing.assert_close(out + out.flip(0), x + x.flip(0))
+    assert all(differs_across_pairs.values()), differs_across_pairs
+
+
+def test_mixup_cutmix_elem_mode_draws_for_each_element():
+    """timm Mixup(mode='elem'): i and N-1-i draw independently (the contrast to the pair mode above)."""
+    _, draws = _mixing_draws("elem")
+    assert any(not torch.equal(p["lam"], p["lam"].flip(0)) for p in draws)
+    assert any(not torch.equal(p["cutmix"], p["cutmix"].flip(0)) for p in draws)

@@ -512,6 +512,7 @@ def test_gpu_config_pruning_keeps_blocks_near_the_problem_size():
 
 _SM90_COMPILE_SCRIPT = """
 import os
+import re
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
@@ -535,6 +536,11 @@ for name in fn.arg_names:
 kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": warps, "num_stages": stages})
 assert "mma" in kernel.asm["ptx"], "expected tensor-core MMA instructions in the PTX"
+# The module promises int64 offsets (tensors over 2**31 elements): every pointer-tensor offset in the
+# Triton IR must be i64 (an i32 offset there would wrap past 2**31 elements).
+widths = re.findall(r"tt\\.addptr .*: tensor<.*!tt\\.ptr<\\w+>>, tensor<[0-9x]*?(i\\d+)>",
+                    kernel.asm["ttir"])
+assert len(widths) >= 8 and set(widths) == {"i64"}, f"pointer offsets: {widths}"
 print("compiled")
 """
 

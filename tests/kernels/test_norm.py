@@ -664,6 +664,7 @@ def test_layer_norm2d_kernel_rejects_too_many_channels():
 
 _SM90_COMPILE_SCRIPT = """
 import os
+import re
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
@@ -685,6 +686,11 @@ def build(kernel, warps=4, **consts):
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert "ld.global" in compiled.asm["ptx"], kernel.__name__
+    # "offsets are int64": every pointer-tensor offset in the Triton IR is i64. (Scalar offsets into the
+    # small per-chunk partial-sum buffers, p * C with p < NUM_PARTS, may stay i32.)
+    widths = re.findall(r"tt\\.addptr .*: tensor<.*!tt\\.ptr<\\w+>>, tensor<[0-9x]*?(i\\d+)>",
+                        compiled.asm["ttir"])
+    assert widths and set(widths) == {"i64"}, f"{kernel.__name__}: pointer offsets {widths}"
 
 act = dict(HAS_BIAS=True, HAS_RESIDUAL=True, ACTIVATION=2)
 build(norm._bn_partial_stats_kernel, BLOCK_M=64, BLOCK_C=64)

@@ -113,6 +113,35 @@ def test_fallback_raise_stops():
         fit(TinyModule(), strategy)
 
 
+def _backward_failing_backend():
+    """Compiles the forward graph fine and fails on the backward graph (which AOTAutograd lowers lazily)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(gm, example_inputs):
+        return gm.forward
+
+    def backward_compiler(gm, example_inputs):
+        raise RuntimeError("deliberately failing backward compile")
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+
+
+def test_fallback_to_eager_when_only_the_backward_compile_fails():
+    strategy = CompiledStrategy(backend=_backward_failing_backend(), fallback="eager")
+    module = TinyModule()
+    with pytest.warns(UserWarning, match="continuing in eager mode"):
+        fit(module, strategy)
+    assert strategy.compile_stats.fell_back
+    assert "deliberately failing backward" in strategy.compile_stats.fallback_reason
+    assert len(module.train_losses) == 3
+
+
+def test_fallback_raise_stops_on_a_failing_backward_compile():
+    strategy = CompiledStrategy(backend=_backward_failing_backend(), fallback="raise")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="deliberately failing backward"):
+        fit(TinyModule(), strategy)
+
+
 def test_user_errors_are_not_hidden_by_the_fallback():
     module = TinyModule()
     strategy = CompiledStrategy(backend="aot_eager")
@@ -161,3 +190,66 @@ def test_channels_last_converts_weights():
     strategy = CompiledStrategy(backend="aot_eager", channels_last=True)
     fit(module, strategy)
     assert module.net.blocks[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def _compiled_whole_by_torch_compile(module):
+    return torch.compile(module, backend="aot_eager")  # Lightning unwraps it and keeps a _compiler_ctx
+
+
+def _compiled_whole_by_module_compile(module):
+    module.compile(backend="aot_eager")  # nn.Module.compile: compiles _call_impl in place
+    return module
+
+
+def _compiled_nested_submodule(module):
+    module.net.blocks[1] = torch.compile(module.net.blocks[1], backend="aot_eager")
+    return module
+
+
+def _compiled_submodule_by_module_compile(module):
+    module.net.head.compile(backend="aot_eager")
+    return module
+
+
+@pytest.mark.parametrize(
+    "compile_by_user, reason",
+    [
+        (_compiled_whole_by_torch_compile, r"passed to the Trainer as torch\.compile\(model\)"),
+        (_compiled_whole_by_module_compile, r"'TinyModule' was compiled with nn\.Module\.compile\(\)"),
+        (_compiled_nested_submodule, r"submodule 'net\.blocks\.1' is a torch\.compile'd module"),
+        (_compiled_submodule_by_module_compile,
+         r"submodule 'net\.head' was compiled with nn\.Module\.compile\(\)"),
+    ],
+    ids=["torch.compile(module)", "module.compile()", "torch.compile(submodule)", "submodule.compile()"],
+)
+def test_every_kind_of_user_compile_is_left_alone(compile_by_user, reason):
+    module = TinyModule()
+    given = compile_by_user(module)
+    strategy = CompiledStrategy(backend="aot_eager")
+    with pytest.warns(UserWarning, match=f"{reason}\\. It will not be compiled twice") as record:
+        fit(given, strategy)
+    assert sum("will not be compiled twice" in str(w.message) for w in record) == 1
+    # Nothing went through the strategy's own (counting) backend, and nothing of ours is left patched.
+    assert strategy.compile_stats.graphs == 0 and not strategy.is_compiled
+    assert not any(getattr(m.__dict__.get("forward"), "__lcv_compiled__", False) for m in module.modules())
+    assert len(module.train_losses) == 3  # the user's compiled model still trained every step
+
+
+def test_teardown_after_test_restores_the_module():
+    module = TinyModule()
+    strategy = CompiledStrategy(backend="aot_eager")
+    trainer = L.Trainer(strategy=strategy, **TRAINER_KWARGS)
+    seen_during_test = []
+    original_test_step = module.test_step
+
+    def test_step(batch, batch_idx):  # the forward the strategy installed, seen from inside the test loop
+        seen_during_test.append(getattr(module.__dict__.get("forward"), "__lcv_compiled__", False))
+        return original_test_step(batch, batch_idx)
+
+    module.test_step = test_step
+    trainer.test(module, make_loader(n=8))
+    assert seen_during_test and all(seen_during_test), "test must run the strategy's compiled forward"
+    assert strategy.compile_stats.graphs >= 1
+    assert "forward" not in module.__dict__, "forward must be the class method again after test"
+    assert not strategy.is_compiled
+    module(torch.randn(2, 3, 8, 8))  # usable eagerly

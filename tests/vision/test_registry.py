@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torchvision
@@ -136,3 +138,39 @@ def test_unknown_model_error():
         create_model("resnet19", num_classes=10)
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
         create_model("resnet18", num_classes=0)
+
+
+def test_create_model_routes_unknown_names_to_timm(monkeypatch):
+    """The timm fallback without timm installed: a stand-in module records what create_model asks of it."""
+    import types
+
+    calls = []
+    made = torch.nn.Linear(2, 4)
+
+    def fake_create_model(name, pretrained=True, num_classes=1000, **kwargs):  # timm's default is pretrained
+        calls.append((name, pretrained, num_classes, kwargs))
+        return made
+
+    fake = types.ModuleType("timm")
+    fake.is_model = lambda name: name in ("fake_timm_net", "resnet18")
+    fake.create_model = fake_create_model
+    fake.list_models = lambda pattern="*": ["fake_timm_net", "resnet18"]
+    monkeypatch.setitem(sys.modules, "timm", fake)
+
+    model = create_model("fake_timm_net", num_classes=4, drop_rate=0.25, drop_path_rate=None)
+    assert model is made
+    # pretrained weights are never downloaded; None-valued options are dropped, the rest are passed on
+    assert calls == [("fake_timm_net", False, 4, {"drop_rate": 0.25})]
+
+    # our own registry wins over timm for a name both know
+    assert "resnet18" in list_models()
+    assert isinstance(create_model("resnet18", num_classes=4), torch.nn.Module) and len(calls) == 1
+    # torchvision is asked before timm
+    assert isinstance(create_model("squeezenet1_1", num_classes=4), torchvision.models.SqueezeNet)
+    assert len(calls) == 1
+
+    # a name that timm does not know either: the usual error, and timm.create_model is never called
+    with pytest.raises(ValueError, match=r"unknown model 'not_a_timm_net': not in the vision registry, "
+                                         r"torchvision or timm"):
+        create_model("not_a_timm_net", num_classes=4)
+    assert len(calls) == 1
