@@ -246,11 +246,22 @@ def test_to_gray_uint8_matches_opencv_exactly(real_images):
         assert np.array_equal(hwc(out[i]), ref)
 
 
-def test_normalize_matches_albumentations(real_images):
+@pytest.mark.parametrize("layout", ["nchw", "channels_last_into_buffer", "one_value_channels_last"])
+def test_normalize_matches_albumentations(real_images, layout):
+    """Also the channels_last fast path (image rows as W*C vectors) and a single mean/std for all channels."""
     x = real_images[:4]
-    out = Normalize().apply(x, {})
+    op, reference = Normalize(), A.Normalize()
+    if layout == "one_value_channels_last":
+        op, reference = Normalize(mean=(0.5,), std=(0.25,)), A.Normalize(mean=(0.5,) * 3, std=(0.25,) * 3)
+    if layout == "nchw":
+        out = op.apply(x, {})
+    else:
+        x = x.contiguous(memory_format=torch.channels_last)
+        buffer = torch.empty(x.shape, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
+        out = op.apply(x, {}, out=buffer)
+        assert out.data_ptr() == buffer.data_ptr()
     for i in range(4):
-        ref = A.Normalize()(image=hwc(x[i]))["image"]
+        ref = reference(image=hwc(x[i]))["image"]
         assert np.abs(hwc(out[i]) - ref).max() < 1e-5
 
 

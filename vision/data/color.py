@@ -292,6 +292,27 @@ class Normalize(BatchOp):
         scale = 1.0 / (torch.tensor(self.std, device=device) * self.max_pixel_value)
         bias = -torch.tensor(self.mean, device=device) * self.max_pixel_value * scale
         shape = (1, -1, 1, 1)
+        if (out is not None and out.dtype == torch.float32 and _nhwc_rows(images) is not None
+                and _nhwc_rows(out) is not None):
+            # Both channels_last: treat each image row as one vector of W*C values with the per-channel
+            # scale/shift repeated W times. A (1, C, 1, 1) broadcast over channels_last memory has an inner
+            # stride-1 run of only C values and does not vectorise (about 10x slower on CPU).
+            w = images.shape[-1]
+            scale, bias = scale.expand(c), bias.expand(c)  # one mean/std value for every channel
+            rows_out = _nhwc_rows(out)
+            torch.mul(_nhwc_rows(images), scale.repeat(w), out=rows_out).add_(bias.repeat(w))
+            return out
         if out is not None:  # the pipeline's output buffer: dtype and memory format conversion in this pass
             return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape), out=out)
         return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape))
+
+
+def _nhwc_rows(images: Tensor) -> Tensor | None:
+    """A (N*H, W*C) view of a channels_last-contiguous (N, C, H, W) tensor, or None when it is not one."""
+    if images.dim() != 4:
+        return None
+    nhwc = images.permute(0, 2, 3, 1)
+    if not nhwc.is_contiguous():
+        return None
+    n, h, w, c = nhwc.shape
+    return nhwc.view(n * h, w * c)
