@@ -1,4 +1,8 @@
-"""Fixtures shared by the data tests: real CIFAR-10 JPEGs from the shared zip (skip with the reason if absent)."""
+"""Fixtures shared by the data tests: real images, the CIFAR-10 JPEGs from the shared zip when it is there.
+
+Without the zip (a clean CI clone), the op-parity tests still run on real photographs: 32x32 patches of the
+two JPEG photos that ship inside scikit-learn (``load_sample_images``), so they never skip for want of data.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ SHARED_ZIP = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
 
 @pytest.fixture(scope="session")
 def real_images() -> torch.Tensor:
-    """64 real CIFAR-10 test JPEGs (uint8 NCHW, decoded by PIL), spread over all classes."""
-    if not os.path.exists(SHARED_ZIP):
-        pytest.skip(f"shared CIFAR-10 JPEG zip not found at {SHARED_ZIP}")
+    """64 real 32x32 images (uint8 NCHW): CIFAR-10 test JPEGs spread over all classes, decoded by PIL, or
+    patches of scikit-learn's bundled photos when the shared zip is absent."""
+    if os.environ.get("LCV_TESTS_WITHOUT_SHARED_DATA") or not os.path.exists(SHARED_ZIP):
+        return _photo_patches(64)
     from PIL import Image
 
     out = []
@@ -27,3 +32,18 @@ def real_images() -> torch.Tensor:
         for n in names:
             out.append(np.asarray(Image.open(io.BytesIO(zf.read(n))).convert("RGB")))
     return torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2).contiguous()
+
+
+def _photo_patches(n: int, size: int = 32) -> torch.Tensor:
+    """``n`` patches on a fixed grid over scikit-learn's two sample photos (china.jpg, flower.jpg)."""
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images  # two (427, 640, 3) uint8 photographs
+    patches = []
+    for k in range(n):
+        photo = photos[k % len(photos)]
+        row, col = divmod(k // len(photos), 8)
+        top = 20 + row * (photo.shape[0] - 40 - size) // 3
+        left = 20 + col * (photo.shape[1] - 40 - size) // 7
+        patches.append(photo[top: top + size, left: left + size])
+    return torch.from_numpy(np.ascontiguousarray(np.stack(patches))).permute(0, 3, 1, 2).contiguous()

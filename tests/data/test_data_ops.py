@@ -219,8 +219,9 @@ def test_color_jitter_with_albumentations_params_matches_on_uint8(real_images):
                             torch.tensor([p["order"]]))
         diff = np.abs(hwc(ours[0]) - ref.astype(np.float32))
         # albumentations truncates to uint8 after brightness/contrast (up to 1 level down per step, then scaled
-        # by later factors) and rounds after saturation; we keep the exact float value between steps.
-        assert diff.max() <= 3.0 and diff.mean() < 1.5, (i, diff.max(), diff.mean())
+        # by later factors) and rounds after saturation; we keep the exact float value between steps. Worst case
+        # with factors <= 1.4: 1 level x 1.4 x 1.4 + 1 level x 1.4 + 0.5 rounding = 3.86 levels.
+        assert diff.max() <= 3.9 and diff.mean() < 1.5, (i, diff.max(), diff.mean())
 
 
 def test_color_jitter_order_and_factors_are_per_sample():
