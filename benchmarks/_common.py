@@ -15,21 +15,30 @@ import torch
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip() or None
+    except OSError:
+        return None
+
+
+#: The commit when the benchmark process started: a long run must not be credited to a later commit.
+_COMMIT_AT_START = _git_commit()
+_STARTED = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on: device, versions, commit, date."""
+    """What the numbers were measured on: device, versions, the commit the run started from, dates."""
     try:
         import triton
 
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton is a Linux dependency
         triton_version = None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip() or None
-    except OSError:
-        commit = None
+    commit = _COMMIT_AT_START
     return {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})",
         "cpu_count": os.cpu_count(),
@@ -38,6 +47,7 @@ def machine_info() -> dict[str, Any]:
         "triton": triton_version,
         "python": platform.python_version(),
         "commit": commit,
+        "started": _STARTED,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 

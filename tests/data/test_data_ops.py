@@ -489,3 +489,23 @@ def test_mixup_cutmix_elem_mode_draws_for_each_element():
     _, draws = _mixing_draws("elem")
     assert any(not torch.equal(p["lam"], p["lam"].flip(0)) for p in draws)
     assert any(not torch.equal(p["cutmix"], p["cutmix"].flip(0)) for p in draws)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+def test_crop_from_a_resident_store_equals_cropping_the_gathered_batch(mode):
+    """The store path (padded once, channels_last, cached) gives the batch path's pixels, and notices when the
+    store changes in place."""
+    from vision.data.geometry import crop_with_padding
+
+    g = torch.Generator().manual_seed(5)
+    store = torch.randint(0, 256, (50, 3, 12, 10), dtype=torch.uint8, generator=g)
+    index, top, left = (torch.randint(0, 50, (16,), generator=g), torch.randint(0, 7, (16,), generator=g),
+                        torch.randint(0, 5, (16,), generator=g))
+    flip = torch.rand(16, generator=g) < 0.5
+    args = ((12, 10), (2, 3, 2, 3), mode, 7.0, flip)
+    got = crop_with_padding(store, top, left, *args, index=index)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(got, crop_with_padding(store[index], top, left, *args))
+    store[index[0]] = 255 - store[index[0]]  # in place: the cached padded copy must not be reused
+    assert torch.equal(crop_with_padding(store, top, left, *args, index=index),
+                       crop_with_padding(store[index], top, left, *args))

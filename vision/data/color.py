@@ -302,9 +302,13 @@ class Normalize(BatchOp):
             rows_out = _nhwc_rows(out)
             torch.mul(_nhwc_rows(images), scale.repeat(w), out=rows_out).add_(bias.repeat(w))
             return out
-        if out is not None:  # the pipeline's output buffer: dtype and memory format conversion in this pass
+        if out is not None and out.dtype != torch.float32:  # bf16/fp16 output: one rounding, at the end
             return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape), out=out)
-        return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape))
+        # float32: multiply, then add, as the channels_last path above does (addcmul may fuse the two
+        # roundings), so every layout gives bit-identical results.
+        if out is not None:  # the pipeline's output buffer: memory format conversion in this pass
+            return torch.mul(as_float(images), scale.view(shape), out=out).add_(bias.view(shape))
+        return torch.mul(as_float(images), scale.view(shape)).add_(bias.view(shape))
 
 
 def _nhwc_rows(images: Tensor) -> Tensor | None:

@@ -9,6 +9,8 @@ albumentations does) up to OpenCV's fixed-point rounding; like OpenCV it does no
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from typing import Any, Literal, Sequence
 
 import torch
@@ -90,13 +92,18 @@ def crop_with_padding(
     device = images.device
     if padding_mode != "symmetric" and max(padding[0], padding[2]) < width and max(padding[1], padding[3]) < height:
         # Fast path: pad once (cheap on uint8), then pick each sample's window from a strided view.
-        if any(padding) and index is not None:  # pad only the batch, never the whole store
+        mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[padding_mode]
+        padded = None
+        if index is not None and images.dtype == torch.uint8:
+            # A resident uint8 store (CIFAR-sized): pad it and lay it out channels_last once, as airbench
+            # does, so each batch is one gather that already gives the channels_last layout of the output.
+            padded = _padded_store(images, padding, mode, fill)
+        if padded is None and any(padding) and index is not None:  # pad only the batch, never a large store
             images, index = images.index_select(0, index.to(device)), None
-        if any(padding):
-            mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[padding_mode]
+        if padded is None and any(padding):
             l, t, r, b = padding  # F.pad wants (left, right, top, bottom)
             padded = F.pad(images, (l, r, t, b), mode=mode, value=fill if mode == "constant" else None)
-        else:
+        elif padded is None:
             padded = images
         windows = padded.unfold(2, ch, 1).unfold(3, cw, 1)  # (M, C, nH, nW, ch, cw) view
         batch = index.to(device) if index is not None else torch.arange(n, device=device)
@@ -124,6 +131,47 @@ def crop_with_padding(
         ok = (row_ok.view(n, 1, ch, 1) & col_ok.view(n, 1, 1, cw))
         out = torch.where(ok, out, torch.tensor(fill, dtype=out.dtype, device=device))
     return out
+
+
+#: Largest uint8 store (bytes, after padding) that :func:`_padded_store` keeps a padded copy of.
+_PADDED_STORE_MAX_BYTES = 1 << 30
+_padded_stores: dict[tuple, tuple[Any, Tensor]] = {}
+_padded_stores_lock = threading.Lock()  # the CPU pipeline's worker threads ask for it together
+
+
+def _padded_store(
+    store: Tensor, padding: tuple[int, int, int, int], mode: str, fill: float
+) -> Tensor | None:
+    """A padded, channels_last copy of a resident uint8 ``store``, made once and reused for every batch.
+
+    ``None`` when the copy would exceed ``_PADDED_STORE_MAX_BYTES`` (the batch is then padded on its own).
+    The cache holds a weak reference to the store, so it never serves a stale copy of freed memory, and it
+    keeps one entry: the training store.
+    """
+    n, c, h, w = store.shape
+    l, t, r, b = padding
+    if n * c * (h + t + b) * (w + l + r) > _PADDED_STORE_MAX_BYTES:
+        return None
+    key = (store.data_ptr(), tuple(store.shape), store.device, padding, mode, float(fill), store._version)
+    with _padded_stores_lock:
+        cached = _padded_stores.get(key)
+        if cached is not None and cached[0]() is store:
+            return cached[1]
+        padded = _pad_channels_last(store, padding, mode, fill)
+        _padded_stores.clear()
+        _padded_stores[key] = (weakref.ref(store), padded)
+        return padded
+
+
+def _pad_channels_last(store: Tensor, padding: tuple[int, int, int, int], mode: str, fill: float) -> Tensor:
+    l, t, r, b = padding
+    chunks = []
+    for start in range(0, store.shape[0], 4096):  # bounded temporaries
+        part = store[start: start + 4096]
+        if any(padding):
+            part = F.pad(part, (l, r, t, b), mode=mode, value=fill if mode == "constant" else None)
+        chunks.append(part.contiguous(memory_format=torch.channels_last))
+    return torch.cat(chunks).contiguous(memory_format=torch.channels_last)
 
 
 def _flip(params: Params) -> Tensor | None:
