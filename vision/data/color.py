@@ -284,24 +284,34 @@ class Normalize(BatchOp):
 
     writes_out = True
 
+    def _factors(self, device: torch.device, channels: int = 0, width: int = 0) -> tuple[Tensor, Tensor]:
+        """``scale`` and ``bias`` with ``x * scale + bias == (x / max_pixel_value - mean) / std``, made once per
+        device (they are rebuilt on every batch otherwise): per channel, or repeated along an image row of
+        ``width`` pixels of ``channels`` values when ``width`` is given."""
+        cache = self.__dict__.setdefault("_cache", {})
+        key = (str(device), channels, width, self.mean, self.std, self.max_pixel_value)
+        if key not in cache:
+            scale = 1.0 / (torch.tensor(self.std, dtype=torch.float32) * self.max_pixel_value)
+            bias = -torch.tensor(self.mean, dtype=torch.float32) * self.max_pixel_value * scale
+            if width:
+                scale, bias = scale.expand(channels).repeat(width), bias.expand(channels).repeat(width)
+            cache[key] = (scale.to(device), bias.to(device))
+        return cache[key]
+
     def apply(self, images: Tensor, params: Params, out: Tensor | None = None) -> Tensor:
         c = images.shape[1]
         if len(self.mean) not in (1, c):
             raise ValueError(f"Normalize: {len(self.mean)} mean values for images with {c} channels")
-        device = images.device
-        scale = 1.0 / (torch.tensor(self.std, device=device) * self.max_pixel_value)
-        bias = -torch.tensor(self.mean, device=device) * self.max_pixel_value * scale
         shape = (1, -1, 1, 1)
         if (out is not None and out.dtype == torch.float32 and _nhwc_rows(images) is not None
                 and _nhwc_rows(out) is not None):
             # Both channels_last: treat each image row as one vector of W*C values with the per-channel
             # scale/shift repeated W times. A (1, C, 1, 1) broadcast over channels_last memory has an inner
             # stride-1 run of only C values and does not vectorise (about 10x slower on CPU).
-            w = images.shape[-1]
-            scale, bias = scale.expand(c), bias.expand(c)  # one mean/std value for every channel
-            rows_out = _nhwc_rows(out)
-            torch.mul(_nhwc_rows(images), scale.repeat(w), out=rows_out).add_(bias.repeat(w))
+            scale, bias = self._factors(images.device, c, images.shape[-1])
+            torch.mul(_nhwc_rows(images), scale, out=_nhwc_rows(out)).add_(bias)
             return out
+        scale, bias = self._factors(images.device)
         if out is not None and out.dtype != torch.float32:  # bf16/fp16 output: one rounding, at the end
             return torch.addcmul(bias.view(shape), as_float(images), scale.view(shape), out=out)
         # float32: multiply, then add, as the channels_last path above does (addcmul may fuse the two
