@@ -509,3 +509,7 @@ def test_crop_from_a_resident_store_equals_cropping_the_gathered_batch(mode):
     store[index[0]] = 255 - store[index[0]]  # in place: the cached padded copy must not be reused
     assert torch.equal(crop_with_padding(store, top, left, *args, index=index),
                        crop_with_padding(store[index], top, left, *args))
+    with torch.inference_mode():  # inference tensors have no version counter: no cached copy, same pixels
+        frozen = store.clone()
+    assert torch.equal(crop_with_padding(frozen, top, left, *args, index=index),
+                       crop_with_padding(store[index], top, left, *args))

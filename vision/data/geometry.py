@@ -152,6 +152,8 @@ def _padded_store(
     l, t, r, b = padding
     if n * c * (h + t + b) * (w + l + r) > _PADDED_STORE_MAX_BYTES:
         return None
+    if store.is_inference():  # no version counter: an in-place change could not be noticed, so do not cache
+        return None
     key = (store.data_ptr(), tuple(store.shape), store.device, padding, mode, float(fill), store._version)
     with _padded_stores_lock:
         cached = _padded_stores.get(key)
