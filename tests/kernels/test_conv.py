@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import conv_ops
+from offline_compile import run_offline_compile
+
 from kernels._common import interpreter_enabled
 from kernels.conv_ops import conv2d_fused
 from kernels.conv_reference import conv2d_fused_reference
@@ -512,11 +514,11 @@ def test_gpu_config_pruning_keeps_blocks_near_the_problem_size():
 
 _SM90_COMPILE_SCRIPT = """
 import os
-import re
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from offline_compile import pointer_offset_widths
 import kernels.conv as conv_mod
 
 fn = conv_mod._conv2d_nhwc_fwd_kernel.fn
@@ -538,8 +540,7 @@ kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), targ
 assert "mma" in kernel.asm["ptx"], "expected tensor-core MMA instructions in the PTX"
 # The module promises int64 offsets (tensors over 2**31 elements): every pointer-tensor offset in the
 # Triton IR must be i64 (an i32 offset there would wrap past 2**31 elements).
-widths = re.findall(r"tt\\.addptr .*: tensor<.*!tt\\.ptr<\\w+>>, tensor<[0-9x]*?(i\\d+)>",
-                    kernel.asm["ttir"])
+widths = pointer_offset_widths(kernel.asm["ttir"])
 assert len(widths) >= 8 and set(widths) == {"i64"}, f"pointer offsets: {widths}"
 print("compiled")
 """
@@ -548,25 +549,7 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernel itself")
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """Catch GPU-only compile errors (the interpreter never compiles) by compiling offline for Hopper."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE_SCRIPT],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=root,
-        timeout=240,
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's ptxas is not available")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled" in proc.stdout
+    run_offline_compile(_SM90_COMPILE_SCRIPT)
 
 
 def test_autocast_casts_activation_and_weight_like_conv2d(monkeypatch):

@@ -8,14 +8,13 @@ shapes stay tiny and odd. Two oracles everywhere: the op references (``kernels/n
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from offline_compile import run_offline_compile
 
 from kernels._common import interpreter_enabled, use_triton
 from kernels.fused_norm import (
@@ -664,11 +663,11 @@ def test_layer_norm2d_kernel_rejects_too_many_channels():
 
 _SM90_COMPILE_SCRIPT = """
 import os
-import re
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from offline_compile import pointer_offset_widths
 import kernels.norm as norm
 
 IO = ("x_ptr", "y_ptr", "g_ptr", "res_ptr", "dx_ptr", "dres_ptr")
@@ -688,8 +687,7 @@ def build(kernel, warps=4, **consts):
     assert "ld.global" in compiled.asm["ptx"], kernel.__name__
     # "offsets are int64": every pointer-tensor offset in the Triton IR is i64. (Scalar offsets into the
     # small per-chunk partial-sum buffers, p * C with p < NUM_PARTS, may stay i32.)
-    widths = re.findall(r"tt\\.addptr .*: tensor<.*!tt\\.ptr<\\w+>>, tensor<[0-9x]*?(i\\d+)>",
-                        compiled.asm["ttir"])
+    widths = pointer_offset_widths(compiled.asm["ttir"])
     assert widths and set(widths) == {"i64"}, f"{kernel.__name__}: pointer offsets {widths}"
 
 act = dict(HAS_BIAS=True, HAS_RESIDUAL=True, ACTIVATION=2)
@@ -711,21 +709,7 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernels themselves")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never compiles; catch GPU-only compile errors by compiling offline for Hopper."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE_SCRIPT],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=root,
-        timeout=240,
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's ptxas is not available")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled" in proc.stdout
+    run_offline_compile(_SM90_COMPILE_SCRIPT)
 
 
 requires_cuda = pytest.mark.skipif(
