@@ -194,15 +194,13 @@ class LcvCLI(LightningCLI):
             print(self.fit_summary())
 
     def fit(self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any) -> None:
-        if ckpt_path is not None:
-            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
-            return
         with warnings.catch_warnings():
-            # With FaultTolerantCheckpoint among the callbacks, Lightning turns ckpt_path=None into "last" and
-            # warns twice; a new lcv run has its own version folder, so there is nothing to resume: not news.
-            warnings.filterwarnings("ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model")
-            warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
-            self.trainer.fit(model, datamodule=datamodule, **kwargs)
+            if ckpt_path is None:
+                # With FaultTolerantCheckpoint among the callbacks, Lightning turns ckpt_path=None into "last"
+                # and warns twice; a new lcv run has its own version folder, so there is nothing to resume.
+                warnings.filterwarnings("ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model")
+                warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
+            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
     def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("return_predictions", True)

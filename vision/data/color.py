@@ -281,14 +281,18 @@ class Normalize(BatchOp):
         if min(self.std) <= 0:
             raise ValueError(f"Normalize: std must be positive, got {self.std}")
         self.max_pixel_value = float(max_pixel_value)
+        self._factor_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     writes_out = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_factor_cache": {}}  # cached device tensors stay in this process
 
     def _factors(self, device: torch.device, channels: int = 0, width: int = 0) -> tuple[Tensor, Tensor]:
         """``scale`` and ``bias`` with ``x * scale + bias == (x / max_pixel_value - mean) / std``, made once per
         device (they are rebuilt on every batch otherwise): per channel, or repeated along an image row of
         ``width`` pixels of ``channels`` values when ``width`` is given."""
-        cache = self.__dict__.setdefault("_cache", {})
+        cache = self._factor_cache
         key = (str(device), channels, width, self.mean, self.std, self.max_pixel_value)
         if key not in cache:
             scale = 1.0 / (torch.tensor(self.std, dtype=torch.float32) * self.max_pixel_value)
