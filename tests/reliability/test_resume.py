@@ -82,8 +82,8 @@ class Regressor(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def make_trainer(root: Path, callbacks: list[Callback], strategy: Any = "auto") -> pl.Trainer:
-    return pl.Trainer(
+def make_trainer(root: Path, callbacks: list[Callback], strategy: Any = "auto", **overrides: Any) -> pl.Trainer:
+    kwargs: dict[str, Any] = dict(
         default_root_dir=str(root),
         accelerator="cpu",
         strategy=strategy,
@@ -95,6 +95,7 @@ def make_trainer(root: Path, callbacks: list[Callback], strategy: Any = "auto") 
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    return pl.Trainer(**{**kwargs, **overrides})
 
 
 def fresh_model(seed: int = 0, **kw: Any) -> Regressor:
@@ -190,11 +191,7 @@ def test_default_dirpath_is_the_runs_checkpoint_folder(tmp_path, uninterrupted) 
 
     saver = FaultTolerantCheckpoint()
     assert saver.ckpt_path is None  # nothing to auto-resume from before the run's folder is known
-    trainer = pl.Trainer(
-        default_root_dir=str(tmp_path), accelerator="cpu", max_epochs=EPOCHS, callbacks=[saver, ModelCheckpoint()],
-        logger=TensorBoardLogger(str(tmp_path), name="run"), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
+    trainer = make_trainer(tmp_path, [saver, ModelCheckpoint()], logger=TensorBoardLogger(str(tmp_path), name="run"))
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.fit(fresh_model(fail_at_step=7), ResumableBatches())
     expected = tmp_path / "run" / "version_0" / "checkpoints" / "interrupted.ckpt"
