@@ -53,11 +53,11 @@ def steps() -> list[Step]:
     # Limits add up to ~8 minutes: the whole device budget is 15, machine start included.
     return [
         Step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
-                       "--timeout", "120"], 90),
+                       "--timeout", "120"], 70),
         Step("conv", [py, "benchmarks/conv.py", "--layers", "conv1_7x7s2", "layer1_3x3", "layer2_3x3",
                       "layer3_1x1_reduce", "layer4_3x3", "--repeats", "20"], 75, "conv-gpu.json", "benchmarks/conv.py"),
         Step("resnet_train", [py, "benchmarks/resnet_train.py", "--variants", "eager", "compile", "ours",
-                              "ours_no_conv", "max_autotune", "--repeats", "3"], 160, "resnet_train-gpu.json",
+                              "ours_no_conv", "max_autotune", "--repeats", "3"], 140, "resnet_train-gpu.json",
              "benchmarks/resnet_train.py"),
         Step("loader", [py, "benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048",
                         "--repeats", "3"], 45, "loader-gpu.json", "benchmarks/loader.py"),
@@ -65,6 +65,8 @@ def steps() -> list[Step]:
                                    "--repeats", "3"], 35, "strategy_overhead-cuda.json"),
         Step("cifar10_accuracy", [py, "benchmarks/cifar10_accuracy.py", "--zip", cifar_zip], 75,
              "cifar10_accuracy-gpu.json", "benchmarks/cifar10_accuracy.py"),
+        Step("airbench_reference", [py, "benchmarks/airbench_reference.py", "--zip", cifar_zip], 40,
+             "airbench_reference-gpu.json", "benchmarks/airbench_reference.py"),
     ]
 
 

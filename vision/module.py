@@ -261,7 +261,7 @@ class ClassificationModule(pl.LightningModule):
 
 def lr_factor(step: int, total_steps: int, steps_per_epoch: int, hp: Any) -> float:
     """Multiplier of the peak learning rate at optimizer step ``step`` of ``total_steps``."""
-    warmup = int(round(hp.warmup_fraction * total_steps))
+    warmup = int(hp.warmup_fraction * total_steps)  # floored, as airbench's triangle()
     if step < warmup:
         return hp.warmup_start_factor + (1.0 - hp.warmup_start_factor) * step / warmup
     if hp.schedule == "constant":

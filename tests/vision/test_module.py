@@ -20,10 +20,10 @@ def _hp(**kwargs) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **kwargs})
 
 
-def test_triangle_schedule_is_airbench_interpolation():
-    total = 97
+@pytest.mark.parametrize("total", [97, 12])  # 0.23 x 12 = 2.76: airbench floors it to 2, rounding would give 3
+def test_triangle_schedule_is_airbench_interpolation(total):
     hp = _hp(schedule="triangle", warmup_fraction=0.23, warmup_start_factor=0.2, final_lr_factor=0.07)
-    warmup = int(round(0.23 * total))
+    warmup = int(0.23 * total)  # airbench's triangle(): xp = [0, int(peak * steps), steps]
     expected = np.interp(np.arange(total + 1), [0, warmup, total], [0.2, 1.0, 0.07])
     np.testing.assert_allclose([lr_factor(s, total, 10, hp) for s in range(total + 1)], expected, atol=1e-12)
 
