@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
             from exc
 
     gpu = torch.cuda.is_available()
+    epochs = args.epochs or hyp["opt"]["train_epochs"]
     torch.manual_seed(args.seed)
     workdir = args.cache or tempfile.mkdtemp(prefix="airbench-jpeg-")
     data_dir = os.path.join(workdir, "cifar10")  # train94 opens its test set at the relative path 'cifar10'
@@ -131,11 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         with contextlib.ExitStack() as stack:
             if not gpu:
-                stack.enter_context(airbench_on_cpu())
+                stack.enter_context(airbench_on_cpu())  # also makes the loaders' default device the CPU
             loader = airbench.CifarLoader("cifar10", train=True, batch_size=hyp["opt"]["batch_size"],
-                                          aug=hyp["aug"], altflip=True, **({} if gpu else {"gpu": "cpu"}))
-            test_loader = airbench.CifarLoader("cifar10", train=False, batch_size=2000,
-                                               **({} if gpu else {"gpu": "cpu"}))
+                                          aug=hyp["aug"], altflip=True)
+            test_loader = airbench.CifarLoader("cifar10", train=False, batch_size=2000)
 
             class Tee(io.TextIOBase):
                 def write(self, s: str) -> int:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                     return sys.__stdout__.write(s)
 
             with contextlib.redirect_stdout(Tee()):
-                model = airbench.train94(loader, epochs=args.epochs or hyp["opt"]["train_epochs"])
+                model = airbench.train94(loader, epochs=epochs)
             trained = time.perf_counter()
             accuracy = {f"tta{level}": airbench.evaluate(model, test_loader, tta_level=level) for level in (0, 2)}
     finally:
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "what": "airbench 0.1.8 train94, unmodified, on the CIFAR-10 JPEG zip decoded with Pillow",
         "precision": "fp16 (airbench's own)" if gpu else "fp32 (airbench's .half() redirected on the CPU)",
-        "epochs": args.epochs or hyp["opt"]["train_epochs"],
+        "epochs": epochs,
         "seed": args.seed,
         "test_accuracy": accuracy["tta2"],
         "test_accuracy_by_tta_level": accuracy,

@@ -5,7 +5,6 @@ A small synthetic ImageFolder zip (1,024 train images: one airbench step of batc
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -15,19 +14,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from script_loader import load_script
 
 pytest.importorskip("airbench", reason="airbench is in the dev extra: pip install -e '.[dev]'")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLASSES = ["cat", "dog", "ship"]
 
 
 def _load():
-    path = os.path.join(ROOT, "benchmarks", "airbench_reference.py")
-    spec = importlib.util.spec_from_file_location("airbench_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/airbench_reference.py")
 
 
 def _jpeg(rng: np.random.Generator, label: int) -> bytes:

@@ -5,24 +5,20 @@ A stale flag would only show up on the lent GPU machine, where a failed step cos
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+from script_loader import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_check.py")
 
 
 def _accepted_flags(script: str) -> set[str]:

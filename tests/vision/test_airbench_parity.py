@@ -11,12 +11,12 @@ network is airbench94 at small widths.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from script_loader import load_script
 
 pytest.importorskip("airbench", reason="airbench is in the dev extra: pip install -e '.[dev]'")
 
@@ -25,17 +25,12 @@ from airbench.lib_airbench94 import make_net94  # noqa: E402
 
 from vision.recipes import build_module  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH, STEPS_PER_EPOCH, EPOCHS = 64, 3, 4
 WIDTHS = {"block1": 16, "block2": 32, "block3": 32}
 
 
 def _airbench_on_cpu():
-    path = os.path.join(ROOT, "benchmarks", "airbench_reference.py")
-    spec = importlib.util.spec_from_file_location("airbench_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.airbench_on_cpu()
+    return load_script("benchmarks/airbench_reference.py").airbench_on_cpu()
 
 
 class _FixedBatches:

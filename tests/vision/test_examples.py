@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from script_loader import load_script
 
 def _load(relative: str):
-    path = os.path.join(ROOT, relative)
-    spec = importlib.util.spec_from_file_location(os.path.basename(relative)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(relative)
     assert module.__doc__ and "python " + relative in module.__doc__  # documented at the top, with the command
     return module
 
