@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if not os.path.exists(args.zip):
         raise SystemExit(f"airbench_reference: {args.zip} not found; pass --zip PATH to the CIFAR-10 JPEG zip")
+    if args.epochs is not None and not args.epochs > 0:
+        raise SystemExit(f"airbench_reference: --epochs must be > 0, got {args.epochs}")
     try:
         import airbench
         from airbench.lib_airbench94 import hyp

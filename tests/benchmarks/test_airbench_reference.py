@@ -92,3 +92,11 @@ def test_one_step_end_to_end(jpeg_zip, tmp_path, monkeypatch):
     assert all(0.0 <= a <= 1.0 for a in written["test_accuracy_by_tta_level"].values())
     assert "eval" in written["airbench_log"] and written["epochs"] == 1.0
     assert torch.ones(1).half().dtype == torch.float16  # the CPU redirect ended with the run
+
+
+def test_bad_arguments_are_named(jpeg_zip, tmp_path):
+    bench = _load()
+    with pytest.raises(SystemExit, match="not found; pass --zip PATH"):
+        bench.main(["--zip", str(tmp_path / "missing.zip")])
+    with pytest.raises(SystemExit, match="--epochs must be > 0, got 0.0"):
+        bench.main(["--zip", jpeg_zip, "--epochs", "0"])
