@@ -3,7 +3,7 @@
 Over ResNet-50 conv shapes (default batch 256, bf16, channels_last), in one process, each case timed with
 warm-up and several repeats (median):
 
-* ``conv``: ``lcv::conv2d_fused`` (no epilogue) vs ``F.conv2d`` (cuDNN);
+* ``conv``: ``lcv::conv_bn_act`` (no epilogue) vs ``F.conv2d`` (cuDNN);
 * ``conv+bn+relu`` (training forward): ``FusedConvBNAct`` (conv with the BN-stats epilogue, then one
   elementwise pass) vs eager ``Conv2d → BatchNorm2d(train) → ReLU`` (cuDNN + separate kernels), vs the
   same eager block under ``torch.compile(mode="max-autotune")``, and ``FusedConvBNAct`` under
@@ -37,8 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, print_table, write_results
 
-from kernels.conv_ops import DGRAD_ENV, conv2d_fused, triton_conv2d_input_grad
-from kernels.fused_conv import FusedConvBNAct
+from kernels.conv_bn_act import DGRAD_ENV, FusedConvBNAct, conv_bn_act, triton_conv_input_grad
 
 # name: (C_in, H, W, C_out, kernel, stride, padding) — torchvision ResNet-50 (v1.5: stride on the 3x3).
 RESNET50_LAYERS: dict[str, tuple[int, int, int, int, int, int, int]] = {
@@ -120,7 +119,7 @@ def bench_layer(
 
     cases: dict[str, dict[str, Callable[[], object]]] = {
         "conv": {
-            "ours": lambda: conv2d_fused(x, weight, stride=stride, padding=pad),
+            "ours": lambda: conv_bn_act(x, weight, stride=stride, padding=pad),
             "cudnn": lambda: F.conv2d(x, weight, stride=stride, padding=pad),
         },
         "conv+bn+relu": {"ours": lambda: ours(x), "cudnn+ops": lambda: eager(x)},
@@ -134,7 +133,7 @@ def bench_layer(
             memory_format=torch.channels_last
         )
         cases["dgrad"] = {
-            "ours": lambda: triton_conv2d_input_grad(grad_y, weight, [pad, pad], [1, 1]),
+            "ours": lambda: triton_conv_input_grad(grad_y, weight, [pad, pad], [1, 1]),
             "cudnn": lambda: torch.ops.aten.convolution_backward(
                 grad_y, x, weight, None, [1, 1], [pad, pad], [1, 1], False, [0, 0], 1, [True, False, False]
             ),

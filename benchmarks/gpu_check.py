@@ -75,7 +75,7 @@ def run_step(step: Step, log_dir: str) -> dict:
     reason = step.missing()
     if reason:
         return {"step": step.name, "status": "skipped", "seconds": 0.0, "note": reason}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES_FOR_TESTS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     log_path = os.path.join(log_dir, f"gpu_check-{step.name}.log")
     start = time.perf_counter()

@@ -1,23 +1,31 @@
-"""Triton kernels with fused epilogues, each beside its PyTorch reference.
+"""Triton kernels with fused epilogues, one module per op, each beside its PyTorch reference.
 
-Each op is registered as a ``torch.library`` op (namespace ``lcv``) with a fake
-(meta) implementation and autograd, so ``torch.compile(fullgraph=True)`` traces it
-without graph breaks. Without CUDA an op runs its PyTorch reference, unless
-``TRITON_INTERPRET=1`` is set, in which case the Triton code runs in the interpreter.
+Every op has one name, used alike for its module (``kernels.<name>``, which holds the function of that name),
+its reference (``kernels.<name>_reference``), its ``torch.library`` op (``lcv::<name>``, with a fake
+implementation and autograd, so ``torch.compile(fullgraph=True)`` traces it without graph breaks) and the
+kernel choice of ``CompileConfig(kernels=[...])``. Without CUDA an op runs its PyTorch reference, unless
+``TRITON_INTERPRET=1`` is set, in which case the Triton code runs in the interpreter::
+
+    from kernels.conv_bn_act import conv_bn_act
+    from kernels.batch_norm_act import batch_norm_act
 """
 
-from kernels.conv_ops import conv2d_fused
-from kernels.fused_conv import FusedConvBNAct
-from kernels.fused_norm import FusedBatchNormAct, FusedGroupNormAct, FusedLayerNorm2dAct, conv_bn_act
-from kernels.norm_ops import batch_norm_act, group_norm_act, layer_norm2d_act
+from kernels import batch_norm_act, conv_bn_act, group_norm_act, layer_norm2d_act
+from kernels.batch_norm_act import FusedBatchNormAct
+from kernels.conv_bn_act import FusedConvBNAct
+from kernels.group_norm_act import FusedGroupNormAct
+from kernels.layer_norm2d_act import FusedLayerNorm2dAct
+
+#: The kernels, by the one name each goes by (module, function, op, ``CompileConfig(kernels=...)``).
+KERNELS: tuple[str, ...] = ("conv_bn_act", "batch_norm_act", "group_norm_act", "layer_norm2d_act")
 
 __all__ = [
+    "KERNELS",
     "FusedBatchNormAct",
     "FusedConvBNAct",
     "FusedGroupNormAct",
     "FusedLayerNorm2dAct",
     "batch_norm_act",
-    "conv2d_fused",
     "conv_bn_act",
     "group_norm_act",
     "layer_norm2d_act",

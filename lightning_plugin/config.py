@@ -13,8 +13,18 @@ from typing import Any, Literal, Union
 
 import torch
 
-#: Kernel substitutions the strategy knows how to apply (see ``lightning_plugin.substitution``).
-KNOWN_KERNELS: tuple[str, ...] = ("conv_bn_act", "bn_act", "groupnorm_act", "layernorm2d_act")
+from kernels import KERNELS
+
+#: Kernels the strategy can substitute into a model (see ``lightning_plugin.substitution``); each name is also
+#: its op (``lcv::<name>``) and its module (``kernels/<name>.py``).
+KNOWN_KERNELS: tuple[str, ...] = KERNELS
+
+#: Names of the first release, kept only to say what they are called now.
+RENAMED_KERNELS: dict[str, str] = {
+    "bn_act": "batch_norm_act",
+    "groupnorm_act": "group_norm_act",
+    "layernorm2d_act": "layer_norm2d_act",
+}
 
 #: Values of ``CompileConfig.kernels`` that stand for a set of substitutions.
 KERNEL_ALIASES: tuple[str, ...] = ("auto", "all", "none")
@@ -119,6 +129,13 @@ def _parse_kernels(spec: KernelsSpec) -> frozenset[str] | None:
             names = list(spec)
         except TypeError:
             raise TypeError(f"CompileConfig.kernels must be a string or a list of strings, got {spec!r}") from None
+    renamed = [n for n in names if isinstance(n, str) and n in RENAMED_KERNELS]
+    if renamed:
+        raise ValueError(
+            "CompileConfig.kernels: "
+            + ", ".join(f"{n!r} is now called {RENAMED_KERNELS[n]!r}" for n in renamed)
+            + f"; choose from {list(KNOWN_KERNELS)} or one of {list(KERNEL_ALIASES)}"
+        )
     unknown = [n for n in names if n not in KNOWN_KERNELS]
     if unknown or not all(isinstance(n, str) for n in names):
         raise ValueError(

@@ -14,12 +14,13 @@ Recognised (exact classes; subclasses may override forward, so they are left alo
 * ``nn.Sequential`` (and subclasses that keep its forward, e.g. torchvision ``Conv2dNormActivation``):
   ``Conv2d → BatchNorm2d [→ act]``, ``BatchNorm2d [→ act]``, ``GroupNorm [→ act]``, ``LayerNorm2d [→ act]``.
 
-Each norm in a recognised block runs in one mode, chosen by the enabled kinds (``CompileConfig.kernels``):
-``conv_bn`` (``conv_bn_act``: conv with the BN-statistics epilogue + fused BN apply, or BN folded into the
-conv in eval), ``bn`` (``bn_act``: eager conv, fused BN), ``gn`` (``groupnorm_act``), ``ln2d``
-(``layernorm2d_act``), or ``eager`` (the original modules, when that kind is off or the modules cannot be
-fused). Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the
-fused op runs instead of those modules); hooks on the block itself do.
+Each norm in a recognised block runs in one mode, named after the kernel it uses (the names
+``CompileConfig.kernels`` accepts): ``conv_bn_act`` (conv with the BN-statistics epilogue + fused BN apply, or
+BN folded into the conv in eval), ``batch_norm_act`` (eager conv, fused BN), ``group_norm_act``,
+``layer_norm2d_act``, or ``eager`` (the original modules, when that kernel is off, the modules cannot be
+fused, or their dtype has no kernel, e.g. float64 under ``precision="64-true"``; the fit-start table says
+which). Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the fused
+op runs instead of those modules); hooks on the block itself do.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ import torch
 from torch import nn
 
 from lightning_plugin.config import KNOWN_KERNELS
-
-#: Substitution kinds (the same names ``CompileConfig(kernels=...)`` accepts).
-KNOWN_SUBSTITUTIONS: tuple[str, ...] = KNOWN_KERNELS
 
 #: Instance attribute holding a rewritten module's plan (plain tuples/dicts: deep-copies and pickles).
 PLAN_ATTR = "_lcv_plan"
@@ -95,45 +93,49 @@ class SubstitutionReport:
 def _run_step(
     owner: nn.Module, step: Step, x: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    from kernels.fused_norm import (
-        batch_norm_module_forward,
-        conv_bn_act,
-        group_norm_module_forward,
-        layer_norm2d_module_forward,
-    )
+    from kernels.batch_norm_act import batch_norm_act_forward
+    from kernels.conv_bn_act import conv_bn_act_forward
+    from kernels.group_norm_act import group_norm_act_forward
+    from kernels.layer_norm2d_act import layer_norm2d_act_forward
 
     mode, conv_name, norm_name, act, act_name = step
     mods = owner._modules
     if mode == "call":
         return mods[norm_name](x)
-    if not _still_fusable(mode, mods[norm_name], mods[conv_name] if conv_name is not None else None):
-        mode = "eager"  # the norm was swapped after planning (e.g. for SyncBatchNorm): run what is there
-    if mode == "conv_bn":
-        return conv_bn_act(x, mods[conv_name], mods[norm_name], act, residual)
+    if not _still_fusable(mode, mods[norm_name], mods[conv_name] if conv_name is not None else None, x):
+        # A module swapped after planning (e.g. for SyncBatchNorm), or an input dtype no kernel takes.
+        mode = "eager"
+    if mode == "conv_bn_act":
+        return conv_bn_act_forward(mods[conv_name], mods[norm_name], x, act, residual)
     if conv_name is not None:
         x = mods[conv_name](x)
     norm = mods[norm_name]
-    if mode == "bn":
-        return batch_norm_module_forward(norm, x, act, residual)
-    if mode == "gn":
-        return group_norm_module_forward(norm, x, act, residual)
-    if mode == "ln2d":
-        return layer_norm2d_module_forward(norm, x, act, residual)
+    if mode == "batch_norm_act":
+        return batch_norm_act_forward(norm, x, act, residual)
+    if mode == "group_norm_act":
+        return group_norm_act_forward(norm, x, act, residual)
+    if mode == "layer_norm2d_act":
+        return layer_norm2d_act_forward(norm, x, act, residual)
     x = norm(x)  # "eager": the block's own modules, exactly as its class's forward calls them
     if residual is not None:
         x = x + residual
     return mods[act_name](x) if act_name is not None else x
 
 
-def _still_fusable(mode: str, norm: nn.Module, conv: nn.Module | None) -> bool:
-    """Dynamo-constant type checks that keep a plan correct if a module was replaced after planning."""
-    if mode == "conv_bn":
+def _still_fusable(mode: str, norm: nn.Module, conv: nn.Module | None, x: torch.Tensor) -> bool:
+    """Dynamo-constant checks that keep a plan correct if a module was replaced after planning or the input
+    has a dtype no kernel takes (the block then runs its own modules, as planned for an eager step)."""
+    from kernels._common import SUPPORTED_DTYPES
+
+    if mode != "eager" and x.dtype not in SUPPORTED_DTYPES and not torch.is_autocast_enabled(x.device.type):
+        return False
+    if mode == "conv_bn_act":
         return type(norm) is nn.BatchNorm2d and type(conv) is nn.Conv2d
-    if mode == "bn":
+    if mode == "batch_norm_act":
         return type(norm) is nn.BatchNorm2d
-    if mode == "gn":
+    if mode == "group_norm_act":
         return type(norm) is nn.GroupNorm
-    if mode == "ln2d":
+    if mode == "layer_norm2d_act":
         return _is_layernorm2d(norm)
     return True
 
@@ -238,31 +240,34 @@ def _is_layernorm2d(module: nn.Module) -> bool:
     )
 
 
-_NORM_MODE_KIND = {"conv_bn": "conv_bn_act", "bn": "bn_act", "gn": "groupnorm_act", "ln2d": "layernorm2d_act"}
-
-
 def _norm_mode(conv: nn.Module | None, norm: nn.Module, kinds: frozenset[str]) -> tuple[str, str | None]:
-    """The mode a norm runs in, and why it stays eager (None when it does not)."""
-    from kernels.fused_norm import why_conv_bn_not_fusable
+    """The mode (kernel name or "eager") a norm runs in, and why it stays eager (None when it does not)."""
+    from kernels._common import unsupported_dtype_reason
+    from kernels.conv_bn_act import why_conv_bn_act_not_fusable
 
     reason = None
     if type(norm) is nn.BatchNorm2d:
         if conv is not None and "conv_bn_act" in kinds:
-            reason = why_conv_bn_not_fusable(conv, norm)
+            reason = why_conv_bn_act_not_fusable(conv, norm)
             if reason is None:
-                return "conv_bn", None
-        if "bn_act" in kinds:
-            return "bn", (None if reason is None else f"conv stays eager ({reason})")
-        return "eager", reason or "bn_act is not enabled"
-    if type(norm) is nn.GroupNorm:
-        return ("gn", None) if "groupnorm_act" in kinds else ("eager", "groupnorm_act is not enabled")
-    if _is_layernorm2d(norm):
-        return ("ln2d", None) if "layernorm2d_act" in kinds else ("eager", "layernorm2d_act is not enabled")
-    return "eager", f"{type(norm).__name__} has no fused kernel"
+                return "conv_bn_act", None
+        mode = "batch_norm_act"
+    elif type(norm) is nn.GroupNorm:
+        mode = "group_norm_act"
+    elif _is_layernorm2d(norm):
+        mode = "layer_norm2d_act"
+    else:
+        return "eager", f"{type(norm).__name__} has no fused kernel"
+    if mode not in kinds:
+        return "eager", reason or f"{mode} is not enabled"
+    dtype_reason = unsupported_dtype_reason(norm)
+    if dtype_reason is not None:
+        return "eager", dtype_reason
+    return mode, (None if reason is None else f"conv stays eager ({reason})")
 
 
 def _act_step_name(module: nn.Module | None) -> str | None:
-    from kernels.fused_norm import activation_name
+    from kernels._common import activation_name
 
     return activation_name(module)
 
@@ -307,7 +312,7 @@ def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[Step, .
         conv = mods[i] if type(mods[i]) is nn.Conv2d and i + 1 < len(mods) else None
         norm_at = i + 1 if conv is not None else i
         mode, _ = _norm_mode(conv, mods[norm_at], kinds) if norm_at < len(mods) else ("eager", None)
-        if conv is not None and mode != "conv_bn":
+        if conv is not None and mode != "conv_bn_act":
             steps.append(("call", None, names[i], "none", None))  # the conv runs as is; the norm is next
             i += 1
             continue
@@ -337,10 +342,9 @@ def _describe(steps: list[Step]) -> str:
 
 def _kinds_of(steps: list[Step]) -> str:
     kinds: list[str] = []
-    for step in steps:
-        kind = _NORM_MODE_KIND.get(step[0])
-        if kind is not None and kind not in kinds:
-            kinds.append(kind)
+    for mode, *_ in steps:
+        if mode not in ("call", "eager") and mode not in kinds:
+            kinds.append(mode)
     return "+".join(kinds)
 
 
@@ -356,12 +360,12 @@ def _patch(module: nn.Module, attribute: str, fn: Callable[..., Any], plan: Any)
 def apply_substitutions(module: nn.Module, kinds: frozenset[str]) -> SubstitutionReport:
     """Rewrite recognised blocks of ``module`` in place to run fused ops; return what was rewritten.
 
-    ``kinds`` are names from :data:`KNOWN_SUBSTITUTIONS`; unknown names raise. Idempotent: a module that
+    ``kinds`` are kernel names from :data:`KNOWN_KERNELS`; unknown names raise. Idempotent: a module that
     already carries a plan is left alone.
     """
-    unknown = set(kinds) - set(KNOWN_SUBSTITUTIONS)
+    unknown = set(kinds) - set(KNOWN_KERNELS)
     if unknown:
-        raise ValueError(f"unknown substitutions {sorted(unknown)}; known: {KNOWN_SUBSTITUTIONS}")
+        raise ValueError(f"unknown kernels {sorted(unknown)}; known: {KNOWN_KERNELS}")
     kinds = frozenset(kinds)
     report = SubstitutionReport([])
     if not kinds:

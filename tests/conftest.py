@@ -1,18 +1,26 @@
-"""Shared test set-up: CPU-only defaults, Triton interpreter, seeds."""
+"""Shared test set-up: the Triton interpreter without a GPU, full-precision fp32 on one, seeds."""
 
 from __future__ import annotations
 
 import os
 
-# Kernels must see TRITON_INTERPRET before triton.jit decorates them, so set it before any import.
-if not os.environ.get("CUDA_VISIBLE_DEVICES_FOR_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import logging
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in the interpreter (numpy). The kernels choose their launch configs when
+# they are defined, so this must happen before anything imports them. On a GPU they run compiled, as users run them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # fp32 results are compared with float64 at fp32 tolerances: TF32 products (10-bit mantissas) would not meet
+    # them, in PyTorch's reference convolutions or in our kernels (which follow the same flag). Tests of TF32 turn
+    # it back on themselves.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 import lightning_plugin  # noqa: F401  (registers the strategies)
 

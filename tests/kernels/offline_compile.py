@@ -30,10 +30,47 @@ def run_offline_compile(script: str) -> None:
     """Run ``script`` in a fresh process with the interpreter off; it must print ``compiled``."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join((_ROOT, _HERE))}
     proc = subprocess.run(
-        [sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env, cwd=_ROOT,
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_ROOT,
         timeout=240,
     )
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("Triton's ptxas is not available")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiled" in proc.stdout
+
+
+# Pointer arguments of the conv kernel that hold fp32 (epilogue vectors and statistics buffers); the others
+# (x, weight, y, residual) hold the activation dtype.
+_CONV_FP32_POINTERS = ("bias_ptr", "scale_ptr", "shift_ptr", "count_ptr", "mean_part_ptr", "m2_part_ptr")
+
+
+def compile_conv_kernel(config: tuple, io_dtype: str, dot_precision: str = "tf32", **constexprs):
+    """Compile ``kernels.conv_bn_act._conv_bn_act_kernel`` for sm90 with one ``(BLOCK_M, BLOCK_N, BLOCK_K,
+    num_stages, num_warps)`` config, ``io_dtype`` ("bf16", "fp16", "fp32") activations and the given flags."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.conv_bn_act import _conv_bn_act_kernel
+
+    fn = _conv_bn_act_kernel.fn
+    block_m, block_n, block_k, stages, warps = config
+    consts = dict(constexprs, DOT_PRECISION=dot_precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32" if name in _CONV_FP32_POINTERS else f"*{io_dtype}"
+        else:
+            signature[name] = "i32"
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=consts),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": stages},
+    )

@@ -26,7 +26,8 @@ from lightning_plugin import CompileConfig, CompiledStrategy
         ({"mode": "max-autotune", "options": {"shape_padding": True}}, ValueError, "either `mode` or `options`"),
         ({"fallback": "ignore"}, ValueError, r"fallback='ignore' is not one of"),
         ({"kernels": "conv"}, ValueError, r"unknown substitution\(s\) \['conv'\]"),
-        ({"kernels": ["bn_act", "fast_conv"]}, ValueError, r"unknown substitution\(s\) \['fast_conv'\]"),
+        ({"kernels": ["batch_norm_act", "fast_conv"]}, ValueError, r"unknown substitution\(s\) \['fast_conv'\]"),
+        ({"kernels": ["bn_act"]}, ValueError, r"'bn_act' is now called 'batch_norm_act'"),
         ({"kernels": 5}, TypeError, "kernels must be a string or a list"),
     ],
 )
@@ -38,8 +39,8 @@ def test_bad_values(kwargs, error, match):
 
 
 def test_good_values_round_trip():
-    config = CompileConfig(mode="max-autotune", fullgraph=True, dynamic=False, kernels=["bn_act"], regional=True)
-    assert config.resolve_kernels(torch.device("cpu")) == frozenset({"bn_act"})
+    config = CompileConfig(mode="max-autotune", fullgraph=True, dynamic=False, kernels=["batch_norm_act"], regional=True)
+    assert config.resolve_kernels(torch.device("cpu")) == frozenset({"batch_norm_act"})
     assert config.compile_kwargs() == {"fullgraph": True, "dynamic": False}
     assert config.replace(mode=None).mode is None
     with pytest.raises(ValueError, match="mode='bad'"):

@@ -104,7 +104,7 @@ def test_auto_kernels_resolve_by_device():
     assert config.resolve_kernels(torch.device("cpu")) == frozenset()
     assert "conv_bn_act" in config.resolve_kernels(torch.device("cuda", 0))
     assert CompileConfig(kernels="all").resolve_kernels(torch.device("cpu")) == frozenset(
-        ("conv_bn_act", "bn_act", "groupnorm_act", "layernorm2d_act")
+        ("conv_bn_act", "batch_norm_act", "group_norm_act", "layer_norm2d_act")
     )
 
 

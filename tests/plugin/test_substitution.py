@@ -23,9 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from kernels.tolerances import tolerance
-from lightning_plugin import CompiledStrategy
+from lightning_plugin import KNOWN_KERNELS, CompiledStrategy
 from lightning_plugin.substitution import (
-    KNOWN_SUBSTITUTIONS,
     PLAN_ATTR,
     apply_substitutions,
     substituted_modules,
@@ -34,7 +33,7 @@ from lightning_plugin.substitution import (
 from vision.models.airbench import AirbenchNet
 from vision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-ALL = frozenset(KNOWN_SUBSTITUTIONS)
+ALL = frozenset(KNOWN_KERNELS)
 
 
 def tiny_resnet(block=BasicBlock) -> ResNet:
@@ -111,8 +110,8 @@ def test_plan_of_the_tiny_resnet_lists_every_block():
     ]
     assert all(r.kind == "conv_bn_act" for r in report.replacements)
     summary = report.summary()
-    assert "8 module(s) rewritten" in summary and "conv1+bn1+relu -> conv_bn" in summary
-    assert "Sequential: 0+1 -> conv_bn" in summary
+    assert "8 module(s) rewritten" in summary and "conv1+bn1+relu -> conv_bn_act" in summary
+    assert "Sequential: 0+1 -> conv_bn_act" in summary
 
 
 def test_tiny_resnet_trains_like_eager():
@@ -163,7 +162,7 @@ def test_sequential_patterns_and_numerics():
     report = apply_substitutions(fused, ALL)
     assert [r.path for r in report.replacements] == ["Sequential"]
     plan = getattr(fused, PLAN_ATTR)
-    assert [step[0] for step in plan] == ["conv_bn", "call", "bn", "gn", "ln2d", "call", "call", "call"]
+    assert [step[0] for step in plan] == ["conv_bn_act", "call", "batch_norm_act", "group_norm_act", "layer_norm2d_act", "call", "call", "call"]
     x = torch.randn(2, 3, 5, 7)
     _assert_close(fused(x), eager(x))
     _assert_close(fused[4].running_var, eager[4].running_var, msg="grouped conv's BN running_var")
@@ -175,7 +174,7 @@ def test_torchvision_conv2d_norm_activation_is_a_sequential_we_rewrite():
     block = Conv2dNormActivation(3, 4, kernel_size=3, activation_layer=nn.SiLU)
     fused = copy.deepcopy(block)
     report = apply_substitutions(fused, ALL)
-    assert report.replacements[0].description == "Conv2dNormActivation: 0+1+silu -> conv_bn"
+    assert report.replacements[0].description == "Conv2dNormActivation: 0+1+silu -> conv_bn_act"
     x = torch.randn(2, 3, 6, 5)
     _assert_close(fused(x), block(x))
 
@@ -200,7 +199,7 @@ def test_torchvision_resnet18_is_rewritten_correctly(reference_ops):
         "layer4.0.downsample",
         "layer4.1",
     ]
-    assert report.replacements[0].description.startswith("ResNet._forward_impl: conv1+bn1+relu -> conv_bn")
+    assert report.replacements[0].description.startswith("ResNet._forward_impl: conv1+bn1+relu -> conv_bn_act")
     assert list(fused.state_dict()) == keys
     x = torch.randn(2, 3, 64, 64)
     out_e, out_f = eager(x), fused(x)
@@ -218,19 +217,19 @@ def test_torchvision_resnet18_is_rewritten_correctly(reference_ops):
 
 def test_kinds_choose_what_is_fused():
     model = tiny_resnet()
-    report = apply_substitutions(model, frozenset({"bn_act"}))
-    assert getattr(model.layer1[0], PLAN_ATTR)["bn1"][0] == "bn"
-    assert all(r.kind == "bn_act" for r in report.replacements)
+    report = apply_substitutions(model, frozenset({"batch_norm_act"}))
+    assert getattr(model.layer1[0], PLAN_ATTR)["bn1"][0] == "batch_norm_act"
+    assert all(r.kind == "batch_norm_act" for r in report.replacements)
     # without conv fusion a downsample's conv runs as is and its BN (no activation) runs the BN op
-    assert [step[0] for step in getattr(model.layer2[0].downsample, PLAN_ATTR)] == ["call", "bn"]
+    assert [step[0] for step in getattr(model.layer2[0].downsample, PLAN_ATTR)] == ["call", "batch_norm_act"]
     undo_substitutions(model, report)
 
     airbench = AirbenchNet(widths=(4, 8, 8))
     report = apply_substitutions(airbench, frozenset({"conv_bn_act"}))
     plan = getattr(airbench.layer1, PLAN_ATTR)
-    assert plan["norm1"][0] == "eager" and plan["norm2"][0] == "conv_bn"
-    assert ("layer1", "norm1: bn_act is not enabled") in report.skipped
-    assert "not fused: layer1: norm1: bn_act is not enabled" in report.summary()
+    assert plan["norm1"][0] == "eager" and plan["norm2"][0] == "conv_bn_act"
+    assert ("layer1", "norm1: batch_norm_act is not enabled") in report.skipped
+    assert "not fused: layer1: norm1: batch_norm_act is not enabled" in report.summary()
     undo_substitutions(airbench, report)
 
     assert apply_substitutions(tiny_resnet(), frozenset()).summary() == "no kernel substitutions applied"
@@ -245,7 +244,7 @@ def test_blocks_that_cannot_be_fused_stay_eager_with_the_reason():
     reasons = dict(report.skipped)
     assert "Tanh cannot be fused" in reasons["layer1.0"]
     assert "conv stays eager (padding_mode='reflect'" in reasons["layer2.0"]
-    assert getattr(model.layer2[0], PLAN_ATTR)["bn1"][0] == "bn"
+    assert getattr(model.layer2[0], PLAN_ATTR)["bn1"][0] == "batch_norm_act"
 
 
 def test_a_norm_swapped_after_planning_runs_as_is(reference_ops):
@@ -292,7 +291,7 @@ def test_apply_is_idempotent_and_the_rewritten_model_copies_and_pickles(referenc
 
 
 def test_unknown_kind_is_rejected():
-    with pytest.raises(ValueError, match="unknown substitutions"):
+    with pytest.raises(ValueError, match="unknown kernels"):
         apply_substitutions(_stack(), frozenset({"bogus"}))
 
 
@@ -339,7 +338,7 @@ def test_trainer_compiled_strategy_with_substitutions(caplog, reference_ops):
     eager_module = _TinyResNetModule()
     fused_module = copy.deepcopy(eager_module)
     L.Trainer(**TRAINER_KWARGS).fit(eager_module, DataLoader(data, batch_size=4))
-    strategy = CompiledStrategy(backend="aot_eager", kernels=["conv_bn_act", "bn_act"], fullgraph=True)
+    strategy = CompiledStrategy(backend="aot_eager", kernels=["conv_bn_act", "batch_norm_act"], fullgraph=True)
     record = _RecordBlocks()
     with caplog.at_level(logging.INFO):
         L.Trainer(strategy=strategy, callbacks=[record], **TRAINER_KWARGS).fit(
@@ -377,7 +376,39 @@ def test_trainer_compiled_strategy_runs_the_triton_kernels_without_graph_breaks(
     stats = strategy.compile_stats
     assert stats.graphs >= 1 and stats.graph_breaks == 0 and not stats.fell_back, stats.break_reasons
     kinds = {k for r in record.blocks for k in r.kind.split("+")}
-    assert kinds >= {"conv_bn_act", "groupnorm_act", "layernorm2d_act"}, kinds
+    assert kinds >= {"conv_bn_act", "group_norm_act", "layer_norm2d_act"}, kinds
     assert len(fused_module.losses) == 2
     for step, (a, b) in enumerate(zip(eager_module.losses, fused_module.losses, strict=True)):
         _assert_close(torch.tensor(b), torch.tensor(a), "train", f"loss at step {step}")
+
+
+def test_float64_training_keeps_blocks_eager_and_says_why(caplog):
+    """``precision="64-true"`` with kernels on crashed in the first step (no kernel takes float64). The blocks
+    stay eager, the fit-start table names the dtype, and training matches a plain float64 run."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 3, (8,), generator=g))
+    torch.manual_seed(0)
+    eager_module = _TinyResNetModule()
+    fused_module = copy.deepcopy(eager_module)
+    kwargs = {**TRAINER_KWARGS, "precision": "64-true"}
+    L.Trainer(**kwargs).fit(eager_module, DataLoader(data, batch_size=4))
+    strategy = CompiledStrategy(backend="aot_eager", kernels="all")
+    record = _RecordBlocks()
+    with caplog.at_level(logging.INFO):
+        L.Trainer(strategy=strategy, callbacks=[record], **kwargs).fit(fused_module, DataLoader(data, batch_size=4))
+    assert record.blocks == []
+    assert "no kernel substitutions applied" in caplog.text
+    assert "not fused: net.layer1.0: bn1: BatchNorm2d.weight is float64" in caplog.text
+    assert not strategy.compile_stats.fell_back
+    for step, (a, b) in enumerate(zip(eager_module.losses, fused_module.losses, strict=True)):
+        assert abs(a - b) <= 1e-12 * max(1.0, abs(a)), f"loss at step {step}: {a} vs {b}"
+
+
+def test_an_input_of_a_dtype_no_kernel_takes_runs_the_blocks_eager():
+    """A model rewritten in fp32 and then converted (``.double()``) runs its own modules instead of failing."""
+    model = tiny_resnet()
+    eager = copy.deepcopy(model).double()
+    apply_substitutions(model, ALL)
+    model.double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    torch.testing.assert_close(model(x), eager(x), rtol=1e-12, atol=1e-12)

@@ -341,8 +341,8 @@ VISION_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 ]
 
 
-def conv2d_fused(*args: Any, **kw: Any) -> Any:
-    from kernels.conv_ops import conv2d_fused as op
+def conv_bn_act(*args: Any, **kw: Any) -> Any:
+    from kernels.conv_bn_act import conv_bn_act as op
 
     return op(*args, **kw)
 
@@ -351,7 +351,7 @@ def _conv(x_shape=(1, 3, 5, 5), w_shape=(4, 3, 3, 3), channels_last=True, **kw: 
     x = torch.randn(*x_shape)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
-    return conv2d_fused(x, kw.pop("weight", torch.randn(*w_shape)), **kw)
+    return conv_bn_act(x, kw.pop("weight", torch.randn(*w_shape)), **kw)
 
 
 KERNEL_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
@@ -385,7 +385,7 @@ KERNEL_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
     ("conv string padding", lambda: _conv(padding="same"), ValueError, r"padding='same': string padding"),
     (
         "conv int dtype",
-        lambda: conv2d_fused(
+        lambda: conv_bn_act(
             torch.ones(1, 3, 5, 5, dtype=torch.int32).contiguous(memory_format=torch.channels_last),
             torch.ones(4, 3, 3, 3, dtype=torch.int32),
         ),
@@ -413,29 +413,29 @@ KERNEL_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
     ),
     (
         "fused bn activation",
-        lambda: _fused_norm().FusedBatchNormAct(4, activation="tanh"),
+        lambda: _batch_norm_act_module().FusedBatchNormAct(4, activation="tanh"),
         ValueError,
         r"unknown activation 'tanh'; expected one of \('none', 'relu', 'gelu', 'silu'\)",
     ),
     (
         "fused bn from non-bn",
-        lambda: _fused_norm().FusedBatchNormAct.from_module(nn.Linear(2, 2)),
+        lambda: _batch_norm_act_module().FusedBatchNormAct.from_module(nn.Linear(2, 2)),
         TypeError,
         r"from_module expects nn.BatchNorm2d, got Linear",
     ),
     (
         "fused bn unfusable activation",
-        lambda: _fused_norm().FusedBatchNormAct.from_module(nn.BatchNorm2d(2), nn.Tanh()),
+        lambda: _batch_norm_act_module().FusedBatchNormAct.from_module(nn.BatchNorm2d(2), nn.Tanh()),
         ValueError,
         r"activation Tanh cannot be fused",
     ),
 ]
 
 
-def _fused_norm() -> Any:
-    import kernels.fused_norm
+def _batch_norm_act_module() -> Any:
+    import importlib
 
-    return kernels.fused_norm
+    return importlib.import_module("kernels.batch_norm_act")
 
 
 def _module(**kw: Any) -> Any:

@@ -1,0 +1,150 @@
+"""The helpers every op shares: layouts and canonical strides, vectors, activation names, the channel-statistics
+merge (``kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_checks import DEVICE, assert_close, requires_triton_path, size1_restrides
+from torch import nn
+
+from kernels._common import (
+    activation_name,
+    canonical_strides,
+    checked_activation_name,
+    dense_layout,
+    dense_vector,
+    empty_in_layout_of,
+    in_layout_of,
+    unsupported_dtype_reason,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("shape", [(4, 512, 1, 1), (2, 3, 5, 7), (1, 1, 3, 3), (1, 1, 1, 1), (3,), (2, 3)])
+def test_canonical_strides_are_those_of_torch_empty(shape):
+    formats = [torch.contiguous_format] + ([torch.channels_last] if len(shape) == 4 else [])
+    for memory_format in formats:
+        assert (
+            canonical_strides(shape, memory_format)
+            == torch.empty(shape, memory_format=memory_format).stride()
+        )
+
+
+def test_outputs_get_one_stride_set_whatever_the_size1_strides_of_the_input():
+    """The rule that keeps fakes and kernels in agreement: the layout comes from contiguity (blind to size-1
+    dims), the strides from the layout alone."""
+    x = torch.randn(4, 16, 1, 1)
+    expected = empty_in_layout_of(x).stride()
+    for variant in size1_restrides(x):
+        assert dense_layout(variant) == torch.channels_last  # both layouts at once: channels_last wins
+        assert empty_in_layout_of(variant).stride() == expected
+        assert in_layout_of(variant.clone(), variant).stride() == expected
+    nchw = torch.randn(2, 3, 4, 5)
+    assert empty_in_layout_of(nchw).stride() == nchw.stride()
+    assert dense_layout(nchw.transpose(2, 3)) is None
+
+
+def test_in_layout_of_returns_a_tensor_that_already_has_the_strides_without_copying():
+    like = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    values = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    assert in_layout_of(values, like) is values
+    converted = in_layout_of(torch.randn(2, 3, 4, 5), like)
+    assert converted.stride() == like.stride()
+
+
+def test_dense_vector_copies_only_strided_or_expanded_vectors():
+    v = torch.randn(6)
+    assert dense_vector(v) is v and dense_vector(None) is None
+    assert dense_vector(v[::2]).stride() == (1,) and torch.equal(dense_vector(v[::2]), v[::2])
+    expanded = v[:1].expand(6)
+    assert dense_vector(expanded).stride() == (1,) and torch.equal(dense_vector(expanded), expanded)
+
+
+def test_activation_names_have_one_definition():
+    assert [activation_name(m) for m in (None, nn.ReLU(), nn.GELU(), nn.SiLU(), nn.Identity())] == [
+        "none",
+        "relu",
+        "gelu",
+        "silu",
+        "none",
+    ]
+    assert activation_name(nn.GELU(approximate="tanh")) is None
+    assert activation_name(nn.Tanh()) is None
+    with pytest.raises(ValueError, match="exact erf"):
+        checked_activation_name(nn.GELU(approximate="tanh"))
+
+
+def test_unsupported_dtype_reason_names_the_tensor_and_dtype():
+    assert unsupported_dtype_reason(nn.BatchNorm2d(4), None) is None
+    reason = unsupported_dtype_reason(nn.Conv2d(3, 4, 3).double())
+    assert "Conv2d.weight is float64" in reason and "bfloat16" in reason
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Channel statistics: per-part (count, mean, M2) merged in a fixed order
+
+
+def _parts(counts, channels, offset, generator):
+    """Random data split into parts of the given row counts; returns the data and each part's summary."""
+    rows = [
+        torch.randn(int(c), channels, generator=generator, dtype=torch.float64) * 2 + offset for c in counts
+    ]
+    means = torch.stack(
+        [r.mean(0) if len(r) else torch.full((channels,), float("nan"), dtype=torch.float64) for r in rows]
+    )
+    m2 = torch.stack(
+        [
+            ((r - r.mean(0)) ** 2).sum(0)
+            if len(r)
+            else torch.full((channels,), float("nan"), dtype=torch.float64)
+            for r in rows
+        ]
+    )
+    return torch.cat(rows), means, m2
+
+
+@requires_triton_path
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_merge_channel_stats_over_many_blocks_of_parts(offset):
+    """300 parts (several merge blocks), uneven counts and never-written parts (count 0, NaN summaries): the
+    merge must give the mean and biased variance of all rows, NaNs of unused parts ignored."""
+    from kernels._triton import merge_channel_stats
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(1, 40, (300,), generator=g).double()
+    counts[::7] = 0
+    data, means, m2 = _parts(counts, 5, offset, g)
+    mean, var = merge_channel_stats(
+        counts.float().to(DEVICE), means.float().to(DEVICE), m2.float().to(DEVICE)
+    )
+    e_var, e_mean = torch.var_mean(data, dim=0, unbiased=False)
+    assert_close((mean.double().cpu() - e_mean) / e_var.sqrt(), torch.zeros(5, dtype=torch.float64), "norm")
+    assert_close(var.cpu(), e_var, "norm")
+
+
+def test_kernels_work_without_triton():
+    """Triton ships with Linux wheels only: without it the ops must import and run their references."""
+    script = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch\n"
+        "from kernels.conv_bn_act import conv_bn_act\n"
+        "from kernels.batch_norm_act import batch_norm_act\n"
+        "from kernels._common import use_triton\n"
+        "x = torch.randn(2, 3, 5, 5).contiguous(memory_format=torch.channels_last)\n"
+        "y, mean, var = conv_bn_act(x, torch.randn(4, 3, 3, 3), padding=1, stats=True)\n"
+        "z = batch_norm_act(y, None, None, training=True, activation='relu')\n"
+        "assert not use_triton(x) and z.shape == (2, 4, 5, 5)\n"
+        "print('ran without triton')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ran without triton" in proc.stdout
