@@ -70,46 +70,121 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernel
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). num_warps stays at 4 for the flattened-tap loop:
-# Triton has miscompiled that loop shape with 8 warps (pytorch#173068).
-GPU_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (128, 64, 64, 3, 4),
-    (64, 128, 64, 3, 4),
-    (128, 64, 32, 4, 4),
-    (64, 64, 64, 4, 4),
-    (64, 64, 32, 4, 4),
-    (64, 32, 32, 4, 4),
-    (32, 64, 32, 4, 4),
-    (64, 64, 16, 4, 4),
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, kind). Each entry compiles for sm_90 without register
+# spills (ptxas -v, triton 3.6 and 3.8; fp16, bf16 and fp32/TF32; the full and the empty epilogue) on every
+# ResNet-18/50 and airbench layer, and on channel counts 3, 24, 40, 112 and 1000, that ``allowed_config`` lets it
+# run on (tests/kernels/test_conv_bn_act.py compiles them offline). Kinds:
+# * "1x1": 8 warps, for 1x1 filters only. They take a plain channel loop; the flattened (tap, channel block)
+#   loop with ``//`` and ``%`` on its counter is what Triton miscompiled with 8 warps (pytorch#173068), so
+#   every other filter stays at 4 warps;
+# * "any": every filter;
+# * "narrow": only, and always, when K is not a multiple of 4 (the weight tile and the output then move in 1-2
+#   element pieces, and every larger tile spilled).
+# 128x128 tiles at 4 warps are gone: their 128 fp32 accumulator registers a thread spilled with any epilogue;
+# so is 64x128x32, which spilled 24 bytes on 1x1 layers in bf16 with the statistics epilogue.
+GPU_CONFIGS: tuple[tuple[int, int, int, int, int, str], ...] = (
+    (128, 128, 64, 3, 8, "1x1"),
+    (128, 128, 32, 4, 8, "1x1"),
+    (128, 64, 64, 4, 4, "any"),
+    (64, 128, 64, 4, 4, "any"),
+    (128, 64, 32, 4, 4, "any"),
+    (64, 64, 64, 4, 4, "any"),
+    (64, 64, 32, 4, 4, "any"),
+    (128, 64, 16, 4, 4, "any"),
+    (64, 64, 16, 4, 4, "any"),
+    (64, 32, 32, 4, 4, "narrow"),
+    (64, 32, 16, 4, 4, "narrow"),
 )
 # The interpreter runs every program in numpy: one config (no benchmarking), few programs.
-INTERPRETER_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((64, 16, 16, 1, 4),)
+INTERPRETER_CONFIGS: tuple[tuple[int, int, int, int, int, str], ...] = ((64, 16, 16, 1, 4, "any"),)
+_CONFIG_KIND = {entry[:5]: entry[5] for entry in GPU_CONFIGS + INTERPRETER_CONFIGS}
+#: M buckets stop growing here: beyond it every tile config has enough programs to fill the GPU.
+M_BUCKET_CAP = 1 << 16
 
 
 def _configs() -> list[triton.Config]:
     table = INTERPRETER_CONFIGS if interpreter_enabled() else GPU_CONFIGS
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=nw)
-        for bm, bn, bk, st, nw in table
+        for bm, bn, bk, st, nw, _ in table
     ]
 
 
+def allowed_config(
+    config: tuple[int, int, int, int, int],
+    *,
+    R: int,
+    S: int,
+    C: int,
+    K: int,
+    Y_ALIGN: int,
+    M_BUCKET: int,
+    element_size: int,
+    epilogue: bool,
+) -> bool:
+    """May ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` run this launch? The first three rules keep
+    what was measured spill-free (see ``GPU_CONFIGS``); the last two drop blocks far larger than the problem."""
+    block_m, block_n, block_k, _, _ = config
+    kind = _CONFIG_KIND.get(tuple(config), "any")
+    if kind == "1x1" and (R, S) != (1, 1):
+        return False
+    if (kind == "narrow") != (Y_ALIGN < 4):
+        return False
+    if element_size >= 4 and block_n >= 128 and epilogue:
+        return False  # fp32 with a 128-wide N tile and epilogue operands spilled 16-64 bytes
+    if block_k > max(16, triton.next_power_of_2(C)) or block_n > max(32, triton.next_power_of_2(K)):
+        return False
+    return block_m <= max(64, M_BUCKET)
+
+
 def prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list[triton.Config]:
-    """Drop channel blocks much wider than C (C=3 stems) and output blocks much wider than K."""
-    c, k = named_args["C"], named_args["K"]
+    """The configs :func:`allowed_config` keeps for this launch (the smallest narrow one if none is left)."""
+    args = {**named_args, **kwargs}
+    epilogue = (
+        any(args[f] for f in ("HAS_BIAS", "HAS_SCALE", "HAS_SHIFT", "HAS_RESIDUAL")) or args["ACTIVATION"]
+    )
     kept = [
         cfg
         for cfg in configs
-        if cfg.kwargs["BLOCK_K"] <= max(16, triton.next_power_of_2(c))
-        and cfg.kwargs["BLOCK_N"] <= max(16, triton.next_power_of_2(k))
+        if allowed_config(
+            (
+                cfg.kwargs["BLOCK_M"],
+                cfg.kwargs["BLOCK_N"],
+                cfg.kwargs["BLOCK_K"],
+                cfg.num_stages,
+                cfg.num_warps,
+            ),
+            R=args["R"],
+            S=args["S"],
+            C=args["C"],
+            K=args["K"],
+            Y_ALIGN=args["Y_ALIGN"],
+            M_BUCKET=args["M_BUCKET"],
+            element_size=args["x_ptr"].element_size(),
+            epilogue=bool(epilogue),
+        )
     ]
     return kept or configs[-1:]
 
 
-#: Autotune key: the layer's geometry and epilogue, and the batch only as a power-of-two bucket (a smaller
-#: last batch of the same bucket reuses the choice instead of benchmarking again).
+def pow2_alignment(*values: int, cap: int = 16) -> int:
+    """The largest power of two, at most ``cap``, that divides every value (zeros divide nothing away)."""
+    alignment = cap
+    for value in values:
+        if value:
+            alignment = min(alignment, abs(int(value)) & -abs(int(value)))
+    return max(alignment, 1)
+
+
+def m_bucket(m: int) -> int:
+    """The autotune key's stand-in for M = N·P·Q: its power-of-two bucket, capped at ``M_BUCKET_CAP``."""
+    return min(triton.next_power_of_2(max(int(m), 1)), M_BUCKET_CAP)
+
+
+#: Autotune key: the layer's geometry, epilogue and alignment, and the batch only through M's bucket, so a
+#: smaller last batch of an epoch reuses the tuned config (M itself is not specialised either: no recompile).
 AUTOTUNE_KEY = [
-    "N_BUCKET",
+    "M_BUCKET",
     "H",
     "W",
     "C",
@@ -122,7 +197,28 @@ AUTOTUNE_KEY = [
     "PAD_W",
     "DIL_H",
     "DIL_W",
+    "R",
+    "S",
+    "HAS_BIAS",
+    "HAS_SCALE",
+    "HAS_SHIFT",
+    "HAS_RESIDUAL",
+    "ACTIVATION",
+    "STATS",
+    "INDEX_64",
+    "X_ALIGN",
+    "Y_ALIGN",
 ]
+
+
+@triton.jit
+def _multiple_of(value, D: tl.constexpr):
+    """``value``, with the host's promise that ``D`` divides it written so Triton can use it: ``(v // D) * D``
+    is ``v``, and its divisibility analysis then knows (an integer argument only ever carries "divisible by
+    16", so channel counts of 24 or 40 would lose vector loads and cp.async without this)."""
+    if D > 1:
+        value = (value // D) * D
+    return value
 
 
 @triton.autotune(
@@ -131,7 +227,7 @@ AUTOTUNE_KEY = [
     prune_configs_by={"early_config_prune": prune_configs},
     reset_to_zero=["count_ptr"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _conv_bn_act_kernel(
     # pointers
     x_ptr,
@@ -145,7 +241,6 @@ def _conv_bn_act_kernel(
     mean_part_ptr,
     m2_part_ptr,
     # sizes
-    N,
     H,
     W,
     C,
@@ -153,7 +248,7 @@ def _conv_bn_act_kernel(
     P,
     Q,
     M,
-    N_BUCKET,
+    M_BUCKET,
     # strides
     sx_n,
     sx_h,
@@ -185,22 +280,40 @@ def _conv_bn_act_kernel(
     STATS: tl.constexpr,
     INDEX_64: tl.constexpr,
     X_ALIGN: tl.constexpr,
-    K_ALIGN: tl.constexpr,
+    Y_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # Output-channel blocks vary fastest, so programs that share an input tile run together (L2 reuse).
+    # The host's alignment promises: X_ALIGN divides C and x's pixel strides, Y_ALIGN divides K and the pixel
+    # strides of y and the residual.
+    C = _multiple_of(C, X_ALIGN)
+    sx_n = _multiple_of(sx_n, X_ALIGN)
+    sx_h = _multiple_of(sx_h, X_ALIGN)
+    sx_w = _multiple_of(sx_w, X_ALIGN)
+    K = _multiple_of(K, Y_ALIGN)
+    sy_n = _multiple_of(sy_n, Y_ALIGN)
+    sy_h = _multiple_of(sy_h, Y_ALIGN)
+    sy_w = _multiple_of(sy_w, Y_ALIGN)
+
+    # Output-channel blocks vary fastest, so programs that share an input tile run together (L2 reuse). Every
+    # index below follows the width of these ranges.
     pid = tl.program_id(0)
-    if INDEX_64:  # every index below follows the program id's width
+    lanes_m = tl.arange(0, BLOCK_M)
+    lanes_n = tl.arange(0, BLOCK_N)
+    lanes_k = tl.arange(0, BLOCK_K)
+    if INDEX_64:
         pid = pid.to(tl.int64)
+        lanes_m = lanes_m.to(tl.int64)
+        lanes_n = lanes_n.to(tl.int64)
+        lanes_k = lanes_k.to(tl.int64)
     num_n = tl.cdiv(K, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + lanes_m
+    offs_n = pid_n * BLOCK_N + lanes_n
     mask_m = offs_m < M
     mask_n = offs_n < K
     img = offs_m // (P * Q)
@@ -212,37 +325,49 @@ def _conv_bn_act_kernel(
     x_img = img * sx_n
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    c_blocks = tl.cdiv(C, BLOCK_K)
-    for t in range(R * S * c_blocks):
-        tap = t // c_blocks
-        c0 = (t % c_blocks) * BLOCK_K
-        r = tap // S
-        s = tap % S
-        in_h = in_h0 + r * DIL_H
-        in_w = in_w0 + s * DIL_W
-        pix_ok = mask_m & (in_h >= 0) & (in_h < H) & (in_w >= 0) & (in_w < W)
-        x_row = x_img + in_h * sx_h + in_w * sx_w
-        if X_ALIGN > 1:  # rows start at multiples of X_ALIGN elements: vectorised (cp.async) loads
-            x_row = tl.multiple_of(x_row, X_ALIGN)
-        offs_c = c0 + tl.arange(0, BLOCK_K)
-        if INDEX_64:
-            offs_c = offs_c.to(tl.int64)
-        mask_c = offs_c < C
-        x_tile = tl.load(
-            x_ptr + x_row[:, None] + (offs_c * sx_c)[None, :],
-            mask=pix_ok[:, None] & mask_c[None, :],
-            other=0.0,
-        )
-        # Packed weight: [R, S, C, K] contiguous, i.e. K-major rows of the GEMM's B matrix.
-        w_row = (tap * C + offs_c) * K
-        if K_ALIGN > 1:
-            w_row = tl.multiple_of(w_row, K_ALIGN)
-        w_tile = tl.load(
-            w_ptr + w_row[:, None] + offs_n[None, :],
-            mask=mask_c[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(x_tile, w_tile, acc, input_precision=DOT_PRECISION)
+    if R * S == 1:
+        # 1x1: one input pixel per output row and a plain channel loop (the loop shape 8 warps are safe for).
+        pix_ok = mask_m & (in_h0 >= 0) & (in_h0 < H) & (in_w0 >= 0) & (in_w0 < W)
+        x_row = x_img + in_h0 * sx_h + in_w0 * sx_w
+        for c0 in range(0, C, BLOCK_K):
+            offs_c = c0 + lanes_k
+            mask_c = offs_c < C
+            x_tile = tl.load(
+                x_ptr + x_row[:, None] + (offs_c * sx_c)[None, :],
+                mask=pix_ok[:, None] & mask_c[None, :],
+                other=0.0,
+            )
+            w_tile = tl.load(
+                w_ptr + (offs_c * K)[:, None] + offs_n[None, :],
+                mask=mask_c[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(x_tile, w_tile, acc, input_precision=DOT_PRECISION)
+    else:
+        # The reduction loop flattened over (tap, channel block): one loop for the software pipeliner.
+        c_blocks = tl.cdiv(C, BLOCK_K)
+        for t in range(R * S * c_blocks):
+            tap = t // c_blocks
+            c0 = (t % c_blocks) * BLOCK_K
+            r = tap // S
+            s = tap % S
+            in_h = in_h0 + r * DIL_H
+            in_w = in_w0 + s * DIL_W
+            pix_ok = mask_m & (in_h >= 0) & (in_h < H) & (in_w >= 0) & (in_w < W)
+            offs_c = c0 + lanes_k
+            mask_c = offs_c < C
+            x_tile = tl.load(
+                x_ptr + (x_img + in_h * sx_h + in_w * sx_w)[:, None] + (offs_c * sx_c)[None, :],
+                mask=pix_ok[:, None] & mask_c[None, :],
+                other=0.0,
+            )
+            # Packed weight: [R, S, C, K] contiguous, i.e. K-major rows of the GEMM's B matrix.
+            w_tile = tl.load(
+                w_ptr + ((tap * C + offs_c) * K)[:, None] + offs_n[None, :],
+                mask=mask_c[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(x_tile, w_tile, acc, input_precision=DOT_PRECISION)
 
     mask_out = mask_m[:, None] & mask_n[None, :]
     if STATS:  # of z - bias (the accumulator): the merge adds the bias back once
@@ -261,13 +386,14 @@ def _conv_bn_act_kernel(
     if HAS_SHIFT:
         u = u + tl.load(shift_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if HAS_RESIDUAL:
+        sr_n = _multiple_of(sr_n, Y_ALIGN)
+        sr_h = _multiple_of(sr_h, Y_ALIGN)
+        sr_w = _multiple_of(sr_w, Y_ALIGN)
         res_offs = (img * sr_n + out_h * sr_h + out_w * sr_w)[:, None] + (offs_n * sr_k)[None, :]
         u = u + tl.load(res_ptr + res_offs, mask=mask_out, other=0.0).to(tl.float32)
     u = _activate(u, ACTIVATION)
-    y_row = img * sy_n + out_h * sy_h + out_w * sy_w
-    if K_ALIGN > 1:
-        y_row = tl.multiple_of(y_row, K_ALIGN)
-    tl.store(y_ptr + y_row[:, None] + (offs_n * sy_k)[None, :], u.to(y_ptr.dtype.element_ty), mask=mask_out)
+    y_offs = (img * sy_n + out_h * sy_h + out_w * sy_w)[:, None] + (offs_n * sy_k)[None, :]
+    tl.store(y_ptr + y_offs, u.to(y_ptr.dtype.element_ty), mask=mask_out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,11 +418,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def row_alignment(t: torch.Tensor) -> int:
-    """8 when every pixel row of NHWC ``t`` starts at a multiple of 8 elements (strides of its N, H, W dims
-    that matter, i.e. of size > 1, are multiples of 8), else 1: the kernel's vector-load hint."""
-    strides = [t.stride(d) for d in (0, 2, 3) if t.shape[d] > 1]
-    return 8 if all(s % 8 == 0 for s in strides) else 1
+def pixel_alignment(t: torch.Tensor) -> int:
+    """What divides the channel count and every pixel stride of an NHWC ``t`` (strides of size-1 dims never
+    multiply a nonzero index, so they do not count): the kernel's alignment promise, 1 unless channels are
+    contiguous."""
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        return 1
+    return pow2_alignment(t.shape[1], *(t.stride(d) for d in (0, 2, 3) if t.shape[d] > 1))
 
 
 def check_conv_bn_act_args(
@@ -433,7 +561,6 @@ def conv_bn_act_triton(
             counts,
             mean_parts if stats else y,
             m2_parts if stats else y,
-            n,
             h,
             w,
             c,
@@ -441,7 +568,7 @@ def conv_bn_act_triton(
             p,
             q,
             m,
-            triton.next_power_of_2(n),
+            m_bucket(m),
             x.stride(0),
             x.stride(2),
             x.stride(3),
@@ -469,8 +596,8 @@ def conv_bn_act_triton(
             ACTIVATION=activation_code(activation),
             STATS=stats,
             INDEX_64=needs_int64(x, y, residual, w_packed),
-            X_ALIGN=row_alignment(x) if x.stride(1) == 1 else 1,
-            K_ALIGN=8 if k % 8 == 0 else 1,
+            X_ALIGN=pixel_alignment(x),
+            Y_ALIGN=min(pixel_alignment(t) for t in (y, residual) if t is not None),
             DOT_PRECISION=dot_precision(x.dtype),
         )
     if not stats:

@@ -733,10 +733,10 @@ def conv_cases(draw: st.DrawFn) -> dict:
     n, c, k = (
         draw(st.integers(1, 2)),
         draw(st.sampled_from([1, 3, 5, 8, 24])),
-        draw(st.sampled_from([1, 4, 6, 24, 40])),
+        draw(st.sampled_from([1, 4, 6, 24, 40, 1000])),
     )
     h, w = draw(st.integers(1, 13)), draw(st.integers(1, 11))
-    r, s = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 3]))
+    r, s = draw(st.sampled_from([1, 3, 7])), draw(st.sampled_from([1, 3, 7]))
     stride = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
     padding = [draw(st.integers(0, 2)), draw(st.integers(0, 2))]
     dilation = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
@@ -839,33 +839,64 @@ def test_conv_bn_act_gradients_match_autograd_of_functional(case: dict) -> None:
 # Launch configuration and GPU code generation
 
 
-def test_gpu_config_pruning_keeps_blocks_near_the_problem_size():
-    import triton
+def _allowed(config, **layer):
+    args = dict(R=3, S=3, C=256, K=256, Y_ALIGN=16, M_BUCKET=1 << 16, element_size=2, epilogue=True)
+    return conv_mod.allowed_config(config[:5], **{**args, **layer})
 
-    configs = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st_, num_warps=nw)
-        for bm, bn, bk, st_, nw in conv_mod.GPU_CONFIGS
-    ]
-    kept = conv_mod.prune_configs(configs, {"C": 3, "K": 64})
-    assert kept and all(c.kwargs["BLOCK_K"] <= 16 and c.kwargs["BLOCK_N"] <= 64 for c in kept)
-    assert conv_mod.prune_configs(configs, {"C": 256, "K": 256}) == configs
-    assert all(c.num_warps <= 4 for c in configs)  # the flattened-tap loop miscompiles with 8 warps
+
+def test_config_rules_keep_what_compiled_without_spills():
+    by_kind = {kind: [c for c in conv_mod.GPU_CONFIGS if c[5] == kind] for kind in ("1x1", "any", "narrow")}
+    # 8 warps only where the reduction loop is the plain channel loop (pytorch#173068 is the flattened tap loop)
+    assert all(c[4] == 8 for c in by_kind["1x1"]) and all(
+        c[4] == 4 for c in conv_mod.GPU_CONFIGS if c[5] != "1x1"
+    )
+    assert all(_allowed(c, R=1, S=1) for c in by_kind["1x1"])
+    assert not any(_allowed(c, R=3, S=3) for c in by_kind["1x1"])
+    # narrow tiles exactly when K is not a multiple of 4
+    assert not any(_allowed(c, K=50, Y_ALIGN=2) for c in by_kind["any"])
+    assert all(_allowed(c, K=50, Y_ALIGN=2) for c in by_kind["narrow"])
+    assert not any(_allowed(c) for c in by_kind["narrow"])
+    # no 128-wide N tile for fp32 with an epilogue (it spilled); allowed without one
+    wide = [c for c in by_kind["any"] if c[1] == 128]
+    assert wide and not any(_allowed(c, element_size=4) for c in wide)
+    assert all(_allowed(c, element_size=4, epilogue=False) for c in wide)
+    # blocks near the problem size: a C=3 stem gets BLOCK_K <= 16, a tiny M no 128-row tiles
+    assert all(c[2] <= 16 for c in conv_mod.GPU_CONFIGS if _allowed(c, C=3, K=64))
+    assert not any(_allowed(c, M_BUCKET=32) for c in conv_mod.GPU_CONFIGS if c[0] == 128)
 
 
 def test_autotune_key_buckets_the_batch_instead_of_holding_it():
-    """A smaller last batch must reuse the tuned config: N and M are not in the key, a power-of-two bucket is."""
+    """A smaller last batch must reuse the tuned config: N and M are not in the key, M's bucket is, and M is
+    not specialised (a new value compiles nothing)."""
     assert "N" not in conv_mod.AUTOTUNE_KEY and "M" not in conv_mod.AUTOTUNE_KEY
-    assert "N_BUCKET" in conv_mod.AUTOTUNE_KEY
+    assert "M_BUCKET" in conv_mod.AUTOTUNE_KEY
+    assert conv_mod.m_bucket(4 * 7 * 7) == conv_mod.m_bucket(3 * 7 * 7 + 1) == 256
+    assert conv_mod.m_bucket(256 * 56 * 56) == conv_mod.M_BUCKET_CAP
+    import inspect
+
+    source = inspect.getsource(conv_mod)
+    assert '@triton.jit(do_not_specialize=["M", "M_BUCKET"])' in source
+
+
+def test_alignment_promise_follows_the_strides_that_count():
+    x = nhwc(torch.randn(2, 24, 5, 5))
+    assert conv_mod.pixel_alignment(x) == 8  # C = 24: 8 divides C and every pixel stride
+    assert conv_mod.pixel_alignment(nhwc(torch.randn(2, 64, 5, 5))) == 16
+    assert conv_mod.pixel_alignment(nhwc(torch.randn(2, 3, 5, 5))) == 1
+    assert (
+        conv_mod.pixel_alignment(torch.randn(4, 64, 1, 1)) == 16
+    )  # NCHW strides on size-1 dims do not count
+    assert conv_mod.pixel_alignment(torch.randn(2, 64, 3, 3)) == 1  # channels not contiguous
 
 
 _SM90_COMPILE_SCRIPT = """
-from offline_compile import compile_conv_kernel, pointer_offset_widths
-import kernels.conv_bn_act as conv_mod
+from offline_compile import EPILOGUES, compile_conv_kernel, conv_layer_args, pointer_offset_widths
 
-full = dict(R=3, S=3, HAS_BIAS=True, HAS_SCALE=True, HAS_SHIFT=True, HAS_RESIDUAL=True, ACTIVATION=2, STATS=True)
 for index_64 in (False, True):
-    kernel = compile_conv_kernel(conv_mod.GPU_CONFIGS[0], "bf16", INDEX_64=index_64, X_ALIGN=8, K_ALIGN=8, **full)
+    layer = conv_layer_args(8, 14, 14, 64, 64, 3, 1, 1)
+    kernel = compile_conv_kernel((64, 64, 32, 4, 4), "bf16", layer, INDEX_64=index_64, **EPILOGUES["full"])
     assert "mma" in kernel.asm["ptx"], "expected tensor-core MMA instructions in the PTX"
+    assert "cp.async" in kernel.asm["ptx"], "aligned channels must load with cp.async"
     ttir = kernel.asm["ttir"]
     # BatchNorm statistics are per-tile partials merged in a fixed order: no atomics (nondeterministic order).
     assert "atomic" not in ttir, "the statistics epilogue must not use atomics"
@@ -880,6 +911,67 @@ print("compiled")
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """Catch GPU-only compile errors (the interpreter never compiles) by compiling offline for Hopper."""
     run_offline_compile(_SM90_COMPILE_SCRIPT)
+
+
+_SPILL_SCRIPT = """
+from concurrent.futures import ProcessPoolExecutor
+
+import kernels.conv_bn_act as conv_mod
+from offline_compile import EPILOGUES, compile_conv_kernel, conv_layer_args, register_use
+
+# (N, H, W, C, K, kernel, stride, padding): one layer for each code-generation variant of ResNet-18/50 and the
+# airbench net (filter size, channel alignment 16 / 8 / 1, stride), and the odd channel counts of the issue.
+LAYERS = {
+    "resnet stem 7x7/2 3->64": (64, 224, 224, 3, 64, 7, 2, 3),
+    "resnet 3x3 64->64": (64, 56, 56, 64, 64, 3, 1, 1),
+    "resnet 1x1 256->64": (64, 56, 56, 256, 64, 1, 1, 0),
+    "resnet downsample 1x1/2 256->512": (64, 56, 56, 256, 512, 1, 2, 0),
+    "airbench whitening 2x2 3->24": (512, 32, 32, 3, 24, 2, 1, 0),
+    "airbench 3x3 24->64": (512, 31, 31, 24, 64, 3, 1, 1),
+    "1x1 112->1000": (64, 7, 7, 112, 1000, 1, 1, 0),
+    "3x3 40->40": (64, 28, 28, 40, 40, 3, 1, 1),
+    "3x3 64->17": (64, 28, 28, 64, 17, 3, 1, 1),
+    "1x1 64->50": (64, 28, 28, 64, 50, 1, 1, 0),
+}
+
+
+def jobs():
+    for name, spec in LAYERS.items():
+        layer = conv_layer_args(*spec)
+        for dtype, epilogue in (("bf16", "full"), ("fp32", "full"), ("bf16", "plain")):
+            for config in conv_mod.GPU_CONFIGS:
+                if conv_mod.allowed_config(
+                    config[:5], R=layer["R"], S=layer["S"], C=layer["C"], K=layer["K"], Y_ALIGN=layer["Y_ALIGN"],
+                    M_BUCKET=layer["M_BUCKET"], element_size=4 if dtype == "fp32" else 2,
+                    epilogue=epilogue == "full",
+                ):
+                    yield name, spec, dtype, epilogue, config
+
+
+def measure(job):
+    name, spec, dtype, epilogue, config = job
+    kernel = compile_conv_kernel(config, dtype, conv_layer_args(*spec), **EPILOGUES[epilogue])
+    return job, register_use(kernel.asm["ptx"])
+
+
+if __name__ == "__main__":
+    with ProcessPoolExecutor(2) as pool:
+        results = list(pool.map(measure, list(jobs())))
+    covered = {job[4] for job, _ in results}
+    assert covered == set(conv_mod.GPU_CONFIGS), set(conv_mod.GPU_CONFIGS) - covered
+    spilled = [f"{job[0]} {job[2]} {job[3]} {job[4][:5]}: {use[1]} bytes" for job, use in results if use[1]]
+    assert not spilled, "register spills: " + "; ".join(spilled)
+    print(f"{len(results)} compiles, no spills, at most {max(use[0] for _, use in results)} registers")
+    print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernel itself")
+def test_every_gpu_config_compiles_without_register_spills():
+    """Each config the autotuner may pick, on each layer variant it may pick it for, compiled for sm_90 as a launch
+    would specialise it: ``ptxas -v`` must report no spill bytes (the first tables spilled up to 51 KB a thread)."""
+    run_offline_compile(_SPILL_SCRIPT, as_main=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
