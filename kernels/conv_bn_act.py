@@ -72,9 +72,9 @@ __all__ = [
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, kind). Each entry compiles for sm_90 without register
 # spills (ptxas -v; fp16, bf16 and fp32/TF32; the full and the empty epilogue) on the ResNet-18/50 and
-# airbench layers and the channel counts 3, 24, 40, 112 and 1000 that ``allowed_config`` lets it run on: measured with
-# triton 3.6 and 3.8 on a study copy of this kernel, and for this kernel with the installed triton by
-# tests/kernels/test_conv_bn_act.py. Kinds:
+# airbench layers and the channel counts 3, 24, 40, 112 and 1000 that ``allowed_config`` lets it run on:
+# measured with triton 3.6 and 3.8 on a study copy of this kernel, and for this kernel with the installed
+# triton by tests/kernels/test_conv_bn_act.py. Kinds:
 # * "1x1": 8 warps, for 1x1 filters only. They take a plain channel loop; the flattened (tap, channel block)
 #   loop with ``//`` and ``%`` on its counter is what Triton miscompiled with 8 warps (pytorch#173068), so
 #   every other filter stays at 4 warps;
