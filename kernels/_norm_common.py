@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from kernels._common import (
-    ACTIVATIONS,
     accumulation_dtype,
     apply_activation,
     as_dense,
@@ -259,11 +258,6 @@ def autocast_to_fp32(x: torch.Tensor) -> bool:
     """CUDA autocast computes group/layer norm in fp32 (output fp32); the fused ops follow it. (CPU autocast
     leaves them in the input dtype, and so do we.)"""
     return x.is_cuda and torch.is_autocast_enabled("cuda")
-
-
-def check_activation_arg(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
 def share_state(src: nn.Module, cls: type[nn.Module], act: nn.Module | None) -> nn.Module:

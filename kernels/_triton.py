@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kernels._common import launch_context
+from kernels._common import cdiv, launch_context, next_power_of_2
 
 try:
     import triton
@@ -50,13 +50,8 @@ except ImportError as _err:  # pragma: no cover - exercised in a subprocess by t
             def __init__(self, kwargs: dict, num_warps: int = 4, num_stages: int = 2, **_: Any) -> None:
                 self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
 
-        @staticmethod
-        def cdiv(a: int, b: int) -> int:
-            return -(-a // b)
-
-        @staticmethod
-        def next_power_of_2(n: int) -> int:
-            return 1 << max(n - 1, 0).bit_length()
+        cdiv = staticmethod(cdiv)
+        next_power_of_2 = staticmethod(next_power_of_2)
 
     triton = _NoTriton()  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]  # only used inside kernel bodies and (string) annotations

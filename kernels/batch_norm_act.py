@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from kernels._common import (
-    ACTIVATIONS,
     accumulation_dtype,
     activation_code,
     as_dense,
+    check_activation,
     dense_vector,
     empty_in_layout_of,
     launch_context,
@@ -823,8 +823,7 @@ class FusedBatchNormAct(nn.BatchNorm2d):
     ``forward(x, residual=None) = act(bn(x) + residual)``, train and eval, via ``lcv::batch_norm_act``."""
 
     def __init__(self, num_features: int, activation: str = "relu", **kwargs: Any) -> None:
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        check_activation(activation, type(self).__name__)
         super().__init__(num_features, **kwargs)
         self.activation = activation
 

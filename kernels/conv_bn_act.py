@@ -33,11 +33,9 @@ import torch
 from torch import nn
 
 from kernels._common import (
-    ACTIVATIONS,
     accumulation_dtype,
     activation_code,
     activation_grad,
-    apply_activation,
     check_activation,
     check_dtype,
     checked_activation_name,
@@ -52,6 +50,7 @@ from kernels._common import (
     unsupported_dtype_reason,
     use_triton,
 )
+from kernels._norm_common import fuse_residual
 from kernels._triton import activate as _activate
 from kernels._triton import merge_channel_stats, tile_mean_m2, tl, triton
 from kernels.batch_norm_act import batch_norm_act_forward, batch_norm_scale_shift
@@ -99,6 +98,8 @@ GPU_CONFIGS: tuple[tuple[int, int, int, int, int, str], ...] = (
 # The interpreter runs every program in numpy: one config (no benchmarking), few programs.
 INTERPRETER_CONFIGS: tuple[tuple[int, int, int, int, int, str], ...] = ((64, 16, 16, 1, 4, "any"),)
 _CONFIG_KIND = {entry[:5]: entry[5] for entry in GPU_CONFIGS + INTERPRETER_CONFIGS}
+#: The smallest tile height any config of this process may use: what the statistics buffers are sized for.
+MIN_BLOCK_M = min(entry[0] for entry in (INTERPRETER_CONFIGS if interpreter_enabled() else GPU_CONFIGS))
 #: M buckets stop growing here: beyond it every tile config has enough programs to fill the GPU.
 M_BUCKET_CAP = 1 << 16
 
@@ -538,15 +539,16 @@ def conv_bn_act_triton(
     y = _empty_output(x, n, k, p, q)
     w_packed = pack_weight(weight)
     bias, scale, shift = dense_vector(bias), dense_vector(scale), dense_vector(shift)
-    # Per-tile statistics: sized for the smallest BLOCK_M any config may use; the kernel writes each tile's
-    # row count (zeroed before every launch), so rows of unused tiles count for nothing.
-    min_block_m = min(cfg.kwargs["BLOCK_M"] for cfg in _conv_bn_act_kernel.configs)
-    tiles = triton.cdiv(m, min_block_m) if stats else 0
-    counts = torch.zeros((max(tiles, 1),), device=x.device, dtype=torch.float32)
-    mean_parts = torch.empty((tiles, k), device=x.device, dtype=torch.float32)
-    m2_parts = torch.empty((tiles, k), device=x.device, dtype=torch.float32)
     # Absent optional operands get a harmless stand-in pointer; their constexpr flag keeps them unread.
     res_t = residual if residual is not None else y
+    counts = mean_parts = m2_parts = y
+    if stats:
+        # Per-tile statistics, sized for the smallest BLOCK_M any config may use; the kernel writes each
+        # tile's row count (zeroed here and before every benchmark run), so unused rows count for nothing.
+        tiles = triton.cdiv(m, MIN_BLOCK_M)
+        counts = torch.zeros((tiles,), device=x.device, dtype=torch.float32)
+        mean_parts = torch.empty((tiles, k), device=x.device, dtype=torch.float32)
+        m2_parts = torch.empty((tiles, k), device=x.device, dtype=torch.float32)
 
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
@@ -561,8 +563,8 @@ def conv_bn_act_triton(
             shift if shift is not None else y,
             res_t,
             counts,
-            mean_parts if stats else y,
-            m2_parts if stats else y,
+            mean_parts,
+            m2_parts,
             h,
             w,
             c,
@@ -962,20 +964,13 @@ def conv_bn_act_forward(
         scale, shift = batch_norm_scale_shift(bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    if residual is not None and residual.dtype != out_dtype:
-        # Eager type promotion (a bf16 block output plus an fp32 residual is fp32): add after the kernel.
-        y = conv_bn_act(x, conv.weight, conv.bias, scale=scale, shift=shift, **conv_args)
-        return apply_activation(y + residual, activation)
-    return conv_bn_act(
-        x,
-        conv.weight,
-        conv.bias,
-        scale=scale,
-        shift=shift,
-        residual=residual,
-        activation=activation,
-        **conv_args,
-    )
+
+    def run(act: str, res: torch.Tensor | None) -> torch.Tensor:
+        return conv_bn_act(
+            x, conv.weight, conv.bias, scale=scale, shift=shift, residual=res, activation=act, **conv_args
+        )
+
+    return fuse_residual(run, out_dtype, activation, residual)
 
 
 class FusedConvBNAct(nn.Module):
@@ -998,8 +993,7 @@ class FusedConvBNAct(nn.Module):
         reason = _cannot_express(conv, bn)
         if reason is not None:
             raise ValueError(f"FusedConvBNAct cannot fuse these modules: {reason}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        check_activation(activation, type(self).__name__)
         self.conv = conv
         self.bn = bn
         self.activation = activation

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from kernels._common import (
-    ACTIVATIONS,
     accumulation_dtype,
     activation_code,
     as_dense,
+    check_activation,
     dense_vector,
     empty_in_layout_of,
     launch_context,
@@ -508,8 +508,7 @@ class FusedGroupNormAct(nn.GroupNorm):
     """``nn.GroupNorm`` + activation (+ residual before it) for 4-D inputs, via ``lcv::group_norm_act``."""
 
     def __init__(self, num_groups: int, num_channels: int, activation: str = "none", **kwargs: Any) -> None:
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        check_activation(activation, type(self).__name__)
         super().__init__(num_groups, num_channels, **kwargs)
         self.activation = activation
 

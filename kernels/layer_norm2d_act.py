@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from kernels._common import (
-    ACTIVATIONS,
     accumulation_dtype,
     activation_code,
     as_dense,
+    check_activation,
     dense_vector,
     empty_in_layout_of,
     launch_context,
@@ -453,8 +453,7 @@ class FusedLayerNorm2dAct(nn.LayerNorm):
     via ``lcv::layer_norm2d_act``; no permute copies, output in the input's memory format."""
 
     def __init__(self, num_channels: int, activation: str = "none", **kwargs: Any) -> None:
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        check_activation(activation, type(self).__name__)
         super().__init__(num_channels, **kwargs)
         self.activation = activation
 
