@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from benchmarks._common import machine_info, write_results  # noqa: E402
+from benchmarks._common import ResultStream, machine_info, write_results  # noqa: E402
 
 DEFAULT_ZIP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                            "cifar10-jpeg.zip")
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     name = f"airbench_reference-{'gpu' if gpu else 'cpu'}{'-' + args.tag if args.tag else ''}"
     write_results(name, result)
+    ResultStream("airbench_reference").add({key: result[key] for key in (
+        "epochs", "test_accuracy", "test_accuracy_by_tta_level", "decode_s", "train_and_eval_s")})
     print(f"airbench train94 on the JPEG set: {100 * accuracy['tta2']:.2f}% (TTA 2), "
           f"{100 * accuracy['tta0']:.2f}% (no TTA), {result['train_and_eval_s']:.0f} s")
     return result

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks._common import machine_info, write_results  # noqa: E402
+from benchmarks._common import ResultStream, machine_info, write_results  # noqa: E402
 
 DEFAULT_ZIP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                            "cifar10-jpeg.zip")
@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     if payload["reduced"]:
         print(f"reduced from the full recipe: {payload['reduced']}")
     if not args.no_write:
+        ResultStream("cifar10_accuracy").add(
+            {key: payload[key] for key in ("recipe", "test_accuracy", "steps", "seconds", "precision", "reduced")}
+            | {"reached_94": payload["test_accuracy"] >= 0.94}
+        )
         name = f"cifar10_accuracy-{'gpu' if gpu else 'cpu'}" + (f"-{args.tag}" if args.tag else "")
         print(f"wrote {write_results(name, payload)}")
     return payload

@@ -1,15 +1,24 @@
-"""One GPU session's checks in one call: GPU tests, then every benchmark, each under its own time limit.
+"""One GPU session's checks in one call, under one deadline, handing over every result as it is measured.
 
-Device time is scarce (15 minutes per issue, machine start included), so this runs everything that
-needs a GPU in a single prepared command of at most ~8 minutes, keeps going when one step fails or
-times out, writes each benchmark's JSON to ``benchmarks/results/`` (GPU name, versions, commit and
-date are in every file) plus a summary ``gpu_check-<date>.json``, and prints a short table last.
+Device time is scarce (15 minutes per issue, machine start included), so this runs everything that needs a
+GPU in a single prepared command, most valuable first: the fused ops against their references, our conv
+against cuDNN and Inductor, the norms against copy bandwidth, training throughput (ResNet-50, airbench94),
+the GPU tests, the loader, the airbench recipe's time to 94% (when the data travelled), compile overhead,
+and max-autotune last. One global deadline (``--budget``, default 7 minutes) bounds the whole run: each step
+gets what is left (at most its own cap), the benchmarks start no case they cannot finish before it
+(``LCV_DEADLINE``), and each measured case is appended at once to one JSON-lines file
+(``LCV_RESULTS_JSONL``). After every step the summary and an archive of the results and logs are written
+again, so a run killed at any moment has handed over everything it measured.
 
-    python benchmarks/gpu_check.py                 # all steps, default budget
-    python benchmarks/gpu_check.py --only tests conv
-    python benchmarks/gpu_check.py --list
+    python benchmarks/gpu_check.py                     # on the GPU machine (use gpu_check.sh there)
+    python benchmarks/gpu_check.py --only correctness conv --budget 120
+    python benchmarks/gpu_check.py --list              # steps, caps and commands
+    python benchmarks/gpu_check.py --dry-run           # CPU: every step on tiny shapes, in about a minute
 
-Use ``benchmarks/gpu_check.sh`` on the lent machine: it sets up the environment first.
+Output (``--out``, default ``$OUT`` or ``benchmarks/results``): ``gpu_check.jsonl`` (one line per measured
+case, each benchmark's first line holding GPU, driver, CUDA, cuDNN, torch, triton, commit and date),
+``gpu_check-summary.json`` (one row per step: status, seconds, cases measured) and ``gpu_results.tgz``
+(every benchmark's full JSON and every step's log).
 """
 
 from __future__ import annotations
@@ -17,90 +26,211 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import machine_info, print_table, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    DEADLINE_ENV,
+    RESULTS_DIR,
+    RESULTS_DIR_ENV,
+    STREAM_ENV,
+    machine_info,
+    print_table,
+)
 
-#: Where gpu_check.sh expects a copy of the CIFAR-10 JPEG zip (an ignored folder named in `carry`).
-DEVICE_CIFAR_ZIP = os.path.join(ROOT, ".device_data", "cifar10-jpeg.zip")
+#: Where gpu_check.sh unpacks the CIFAR-10 JPEGs carried as ``.device_data/cifar10-jpeg.npz``.
+DEVICE_CIFAR_ZIP = "/tmp/lcv-device-data/cifar10-jpeg.zip"
+SHARED_CIFAR_ZIP = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "cifar10-jpeg.zip"))
+#: Seconds a step keeps after its benchmark's own deadline to write its final JSON before it is killed.
+GRACE_S = 15
+#: A step is not started with less than this left.
+MIN_STEP_S = 20
+#: The whole run on a GPU: the device tool's call gets 8 minutes, and set-up (wheels, data) takes well under 1.
+DEFAULT_BUDGET_S = 420
+DRY_RUN_BUDGET_S = 90
 
 
 @dataclass
 class Step:
+    """One command, its cap in seconds, and the command for the CPU dry run (tiny shapes)."""
+
     name: str
     argv: list[str]
-    timeout_s: int
-    result_file: str | None = None  # benchmarks/results/<this>, when the step writes one
-    needs: str | None = None  # a file that must exist, else the step is skipped with the reason
+    cap_s: int
+    dry_argv: list[str] | None
+    needs_module: str | None = None  # an optional package: without it the step is skipped, with the reason
+    needs_file: str | None = None
+    dry_run_skip: str = ""  # why the dry run does not run this step (only when dry_argv is None)
 
     def missing(self) -> str | None:
-        if self.needs and not os.path.exists(os.path.join(ROOT, self.needs)):
-            return f"{self.needs} not found"
+        if self.needs_module is not None:
+            import importlib.util
+
+            if importlib.util.find_spec(self.needs_module) is None:
+                return f"{self.needs_module} is not installed"
+        if self.needs_file is not None and not os.path.exists(self.needs_file):
+            return f"{self.needs_file} not found (the data did not travel)"
         return None
 
 
-def steps() -> list[Step]:
-    py = sys.executable
-    cifar_zip = DEVICE_CIFAR_ZIP if os.path.exists(DEVICE_CIFAR_ZIP) else os.path.join(
-        ROOT, "..", "shared", "data", "cifar10-jpeg.zip"
-    )
-    # Limits add up to ~8 minutes: the whole device budget is 15, machine start included.
+def cifar_zip() -> str:
+    return DEVICE_CIFAR_ZIP if os.path.exists(DEVICE_CIFAR_ZIP) else SHARED_CIFAR_ZIP
+
+
+def steps(data_zip: str | None = None) -> list[Step]:
+    """Every step, most valuable first. ``data_zip``: the CIFAR-10 JPEG zip (default: where it travels)."""
+    data_zip = data_zip or cifar_zip()
+    tiny_train = ["--tiny", "--compile-backend", "eager", "--warmup", "1", "--steps", "1", "--repeats", "1",
+                  "--batch", "2", "--size", "16", "--no-norm", "--variant-seconds", "2"]
     return [
-        Step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
-                       "--timeout", "120"], 70),
-        Step("conv", [py, "benchmarks/conv.py", "--layers", "conv1_7x7s2", "layer1_3x3", "layer2_3x3",
-                      "layer3_1x1_reduce", "layer4_3x3", "--repeats", "20"], 75, "conv-gpu.json", "benchmarks/conv.py"),
-        Step("resnet_train", [py, "benchmarks/resnet_train.py", "--variants", "eager", "compile", "ours",
-                              "ours_no_conv", "max_autotune", "--repeats", "3"], 140, "resnet_train-gpu.json",
-             "benchmarks/resnet_train.py"),
-        Step("loader", [py, "benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048",
-                        "--repeats", "3"], 45, "loader-gpu.json", "benchmarks/loader.py"),
-        Step("strategy_overhead", [py, "benchmarks/strategy_overhead.py", "--batch", "256", "--channels", "64",
-                                   "--repeats", "3"], 35, "strategy_overhead-cuda.json"),
-        Step("cifar10_accuracy", [py, "benchmarks/cifar10_accuracy.py", "--zip", cifar_zip], 75,
-             "cifar10_accuracy-gpu.json", "benchmarks/cifar10_accuracy.py"),
-        Step("airbench_reference", [py, "benchmarks/airbench_reference.py", "--zip", cifar_zip], 40,
-             "airbench_reference-gpu.json", "benchmarks/airbench_reference.py"),
+        Step("correctness", ["benchmarks/op_correctness.py"], 60, ["benchmarks/op_correctness.py", "--tiny"]),
+        Step("conv", ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"], 120,
+             ["benchmarks/conv.py", "--tiny", "--dtype", "fp32", "--compile-backend", "eager", "--layers",
+              "layer1_1x1_reduce", "airbench_g2_conv2", "--warmup", "0", "--repeats", "1", "--case-seconds", "1"]),
+        Step("norms", ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"], 45,
+             ["benchmarks/resnet_train.py", "--tiny", "--no-train", "--no-compile", "--warmup", "0",
+              "--repeats", "1", "--case-seconds", "1"]),
+        Step("resnet50_train", ["benchmarks/resnet_train.py", "--no-norm", "--variants", "eager", "ours_auto",
+                                "compile", "ours_none", "ours_all", "--warmup", "5", "--repeats", "3"], 150,
+             ["benchmarks/resnet_train.py", *tiny_train, "--variants", "eager", "ours_all", "compile"]),
+        Step("gpu_tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
+                           "--timeout", "120"], 60,
+             ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"]),
+        Step("airbench_train", ["benchmarks/resnet_train.py", "--model", "airbench94", "--no-norm", "--variants",
+                                "eager", "ours_auto", "ours_none", "--warmup", "5", "--repeats", "3"], 60,
+             ["benchmarks/resnet_train.py", *tiny_train, "--model", "airbench94", "--variants", "eager",
+              "ours_auto"]),
+        Step("loader", ["benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048",
+                        "--repeats", "3"], 45,
+             ["benchmarks/loader.py", "--cifar-images", "128", "--jpeg-images", "8", "--repeats", "1",
+              "--batch-size", "64", "--jpeg-batch-size", "8", "--case-seconds", "1"]),
+        Step("cifar10_time_to_94", ["benchmarks/cifar10_accuracy.py", "--zip", data_zip], 75,
+             ["benchmarks/cifar10_accuracy.py", "--zip", data_zip, "--epochs", "1", "--widths", "8", "16", "16",
+              "--batch-size", "16"],
+             needs_file=data_zip),
+        Step("strategy_overhead", ["benchmarks/strategy_overhead.py", "--batch", "256", "--channels", "64",
+                                   "--repeats", "3"], 40,
+             ["benchmarks/strategy_overhead.py", "--compile-backend", "eager", "--no-first-step", "--batch", "4",
+              "--channels", "4", "--steps", "4", "--warmup", "2", "--repeats", "1"]),
+        Step("airbench_reference", ["benchmarks/airbench_reference.py", "--zip", data_zip], 40, None,
+             needs_module="airbench", needs_file=data_zip,
+             dry_run_skip="not in the dry run (airbench's full-width net needs >= 1,024 images); "
+                          "tests/benchmarks/test_airbench_reference.py covers it"),
+        Step("max_autotune", ["benchmarks/conv.py", "--compile-mode", "max-autotune", "--only-providers",
+                              "inductor:max-autotune", "--layers", "layer1_3x3", "layer3_1x1_reduce",
+                              "airbench_g2_conv2", "--warmup", "5", "--repeats", "20"], 90,
+             ["benchmarks/conv.py", "--tiny", "--dtype", "fp32", "--compile-backend", "eager", "--compile-mode",
+              "max-autotune", "--only-providers", "inductor:max-autotune", "--layers", "layer1_3x3",
+              "--warmup", "0", "--repeats", "1", "--case-seconds", "1"]),
     ]
 
 
-def run_step(step: Step, log_dir: str) -> dict:
-    """Run one step with its time limit; return its row (the log goes to ``log_dir``)."""
+def _count_cases(stream_path: str, start_line: int) -> tuple[int, int]:
+    """(cases measured, cases skipped) in the stream after ``start_line``."""
+    if not os.path.exists(stream_path):
+        return 0, 0
+    with open(stream_path) as f:
+        records = [json.loads(line).get("record") for line in f.readlines()[start_line:] if line.strip()]
+    return records.count("case"), records.count("skipped")
+
+
+def _lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def run_step(step: Step, argv: list[str], deadline: float, out_dir: str, log_dir: str, env: dict) -> dict:
+    """Run one step until its own deadline (the smaller of the global one and its cap); return its row."""
+    row = {"step": step.name, "status": "", "seconds": 0.0, "cases": 0, "skipped_cases": 0, "note": ""}
     reason = step.missing()
-    if reason:
-        return {"step": step.name, "status": "skipped", "seconds": 0.0, "note": reason}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    log_path = os.path.join(log_dir, f"gpu_check-{step.name}.log")
+    left = deadline - time.time()
+    if reason is None and left < MIN_STEP_S:
+        reason = f"deadline: {left:.0f}s left"
+    if reason is not None:
+        row.update(status="skipped", note=reason)
+        print(f"\n=== {step.name}: skipped ({reason}) ===", flush=True)
+        return row
+    budget = min(step.cap_s, left)
+    step_env = {**env, DEADLINE_ENV: f"{time.time() + budget - GRACE_S:.3f}"}
+    stream_path = env[STREAM_ENV]
+    first_line = _lines(stream_path)
+    log_path = os.path.join(log_dir, f"{step.name}.log")
+    print(f"\n=== {step.name} (up to {budget:.0f}s): {' '.join(argv)}", flush=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run(step.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=step.timeout_s, check=False)
+            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=step_env, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=budget, check=False)
             status = "ok" if proc.returncode == 0 else f"failed (rc={proc.returncode})"
         except subprocess.TimeoutExpired:
-            status = f"timeout ({step.timeout_s}s)"
-    seconds = time.perf_counter() - start
+            status = f"killed at {budget:.0f}s"
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    row["cases"], row["skipped_cases"] = _count_cases(stream_path, first_line)
+    row["status"] = status
     with open(log_path) as log:
-        tail = log.read().splitlines()[-14:]
-    print(f"\n=== {step.name}: {status} in {seconds:.0f}s ===", *tail, sep="\n", flush=True)
-    return {"step": step.name, "status": status, "seconds": seconds, "note": step.result_file or "",
-            "log_tail": tail}
+        tail = log.read().splitlines()[-12:]
+    row["log_tail"] = tail
+    print(f"=== {step.name}: {status} in {row['seconds']}s, {row['cases']} cases ===", *tail, sep="\n", flush=True)
+    return row
+
+
+def hand_over(out_dir: str, summary: dict, results_dir: str, log_dir: str) -> None:
+    """Rewrite the summary and the archive in ``out_dir`` (called after every step)."""
+    tmp = os.path.join(out_dir, ".gpu_check-summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    os.replace(tmp, os.path.join(out_dir, "gpu_check-summary.json"))
+    tmp = os.path.join(out_dir, ".gpu_results.tgz.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        if os.path.isdir(results_dir):
+            tar.add(results_dir, arcname="results")
+        tar.add(log_dir, arcname="logs")
+    os.replace(tmp, os.path.join(out_dir, "gpu_results.tgz"))
+
+
+def make_tiny_cifar_zip(path: str, classes: int = 10, train_per_class: int = 12, test_per_class: int = 4) -> str:
+    """A CIFAR-shaped JPEG zip (ImageFolder layout) of random images, for the dry run's accuracy step."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    with zipfile.ZipFile(path, "w") as zf:
+        for split, per_class in (("train", train_per_class), ("test", test_per_class)):
+            for label in range(classes):
+                for i in range(per_class):
+                    buffer = io.BytesIO()
+                    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buffer, "JPEG")
+                    zf.writestr(f"{split}/class{label}/{i:04d}.jpg", buffer.getvalue())
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="run only these steps")
-    parser.add_argument("--list", action="store_true", help="list the steps and their time limits")
-    parser.add_argument("--log-dir", default="/tmp/lcv_gpu_logs", help="one log file per step")
+    parser.add_argument("--list", action="store_true", help="list the steps, their caps and commands")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"seconds for the whole run (default {DEFAULT_BUDGET_S}, {DRY_RUN_BUDGET_S} for --dry-run)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: every step on tiny shapes (reference ops, the interpreter, backend 'eager')")
+    parser.add_argument("--out", default=None, help="where the results go (default $OUT, else benchmarks/results)")
     args = parser.parse_args()
-    all_steps = steps()
+    started = time.time()
+    work = tempfile.mkdtemp(prefix="lcv-gpu-check-")
+    data_zip = make_tiny_cifar_zip(os.path.join(work, "tiny-cifar.zip")) if args.dry_run else None
+    all_steps = steps(data_zip)
     known = [s.name for s in all_steps]
     if args.only:
         unknown = sorted(set(args.only) - set(known))
@@ -108,22 +238,47 @@ def main() -> None:
             parser.error(f"unknown step(s) {unknown}; steps: {known}")
         all_steps = [s for s in all_steps if s.name in args.only]
     if args.list:
-        print_table([{"step": s.name, "timeout_s": s.timeout_s, "command": " ".join(s.argv[1:])} for s in all_steps],
-                    ["step", "timeout_s", "command"])
+        print_table([{"step": s.name, "cap_s": s.cap_s, "command": " ".join(s.argv)} for s in all_steps],
+                    ["step", "cap_s", "command"])
         return
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing measured (run it on the lent GPU machine)")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing measured (run it on the GPU machine, or use --dry-run)")
         sys.exit(2)
-    os.makedirs(args.log_dir, exist_ok=True)
+    out_dir = args.out or os.environ.get("OUT") or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    # The dry run's full JSONs go to a scratch folder: its tiny CPU numbers must not replace real results.
+    results_dir = os.path.join(work, "results") if args.dry_run else os.environ.get(RESULTS_DIR_ENV, RESULTS_DIR)
+    log_dir = os.path.join(work, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    stream_path = os.path.join(out_dir, "gpu_check.jsonl")
+    if os.path.exists(stream_path):
+        os.remove(stream_path)
+    budget = args.budget or (DRY_RUN_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S)
+    deadline = started + budget
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", STREAM_ENV: stream_path, RESULTS_DIR_ENV: results_dir,
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    if not args.dry_run:
+        env.pop("TRITON_INTERPRET", None)
     info = machine_info()
-    print(f"gpu_check on {info['device']}, torch {info['torch']}, triton {info['triton']}, commit {info['commit']}",
-          flush=True)
-    rows = [run_step(step, args.log_dir) for step in all_steps]
-    path = write_results(f"gpu_check-{info['date'][:10]}", {"steps": rows})
-    print(f"\nsummary written to {path}\n")
-    print_table(rows, ["step", "status", "seconds", "note"])
+    print(f"gpu_check{' --dry-run' if args.dry_run else ''} on {info['device']} (driver {info['driver']}, "
+          f"CUDA {info['cuda']}, cuDNN {info['cudnn']}), torch {info['torch']}, triton {info['triton']}, "
+          f"commit {info['commit']}; budget {budget:.0f}s; results in {out_dir}", flush=True)
+    summary = {"machine": info, "dry_run": args.dry_run, "budget_s": budget, "steps": []}
+    for step in all_steps:
+        argv = step.dry_argv if args.dry_run else step.argv
+        if argv is None:
+            row = {"step": step.name, "status": "skipped", "seconds": 0.0, "cases": 0, "skipped_cases": 0,
+                   "note": step.dry_run_skip}
+        else:
+            row = run_step(step, argv, deadline, out_dir, log_dir, env)
+        summary["steps"].append(row)
+        summary["elapsed_s"] = round(time.time() - started, 1)
+        hand_over(out_dir, summary, results_dir, log_dir)
+    shutil.rmtree(work, ignore_errors=True)  # everything in it is in the archive
+    print(f"\nwhole run {summary['elapsed_s']}s of {budget:.0f}s; results in {out_dir}\n")
+    print_table(summary["steps"], ["step", "status", "seconds", "cases", "skipped_cases", "note"])
 
 
 if __name__ == "__main__":

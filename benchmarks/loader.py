@@ -25,14 +25,14 @@ import statistics
 import sys
 import time
 import zipfile
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import machine_info, print_table, write_results  # noqa: E402
+from _common import ResultStream, out_of_time, print_table, write_results  # noqa: E402
 
 ZIP = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip"))
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -130,12 +130,35 @@ def alb_imagenet():
                       A.Normalize(), ToTensorV2()])
 
 
-# ------------------------------------------------------------------------------------------- ours
-def ours_side(images: torch.Tensor, compose, batch_size: int, device: str = "cpu") -> Callable[[], int]:
-    from vision.data import DeviceLoader, from_albumentations
+def albumentations_missing() -> str | None:
+    """Why the albumentations side cannot run here (the GPU machine may lack it), or None."""
+    try:
+        import albumentations  # noqa: F401
+        import cv2  # noqa: F401
+    except ImportError as err:
+        return f"albumentations not installed ({err}); not measured"
+    return None
 
-    loader = DeviceLoader(images, torch.zeros(len(images), dtype=torch.long), batch_size,
-                          from_albumentations(compose), device=device)
+
+# ------------------------------------------------------------------------------------------- ours
+def ours_cifar():
+    """Our batched equivalent of ``alb_cifar()``, built without albumentations (tests check they agree)."""
+    from vision.data import HorizontalFlip, Normalize, Pipeline, RandomCrop
+
+    return Pipeline([RandomCrop(32, 4, "reflect"), HorizontalFlip(), Normalize(MEAN, STD)])
+
+
+def ours_imagenet():
+    """Our batched equivalent of ``alb_imagenet()``, built without albumentations."""
+    from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
+
+    return Pipeline([RandomResizedCrop(224), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()])
+
+
+def ours_side(images: torch.Tensor, pipeline, batch_size: int, device: str = "cpu") -> Callable[[], int]:
+    from vision.data import DeviceLoader
+
+    loader = DeviceLoader(images, torch.zeros(len(images), dtype=torch.long), batch_size, pipeline, device=device)
 
     def run() -> int:
         n = count(loader)
@@ -146,16 +169,16 @@ def ours_side(images: torch.Tensor, compose, batch_size: int, device: str = "cpu
     return run
 
 
-def ours_jpeg_side(blobs: list[bytes], compose, batch_size: int) -> Callable[[], int]:
+def ours_jpeg_side(blobs: list[bytes], pipeline, batch_size: int) -> Callable[[], int]:
     """The real loader path for files: EncodedImages decoded per batch by 2 threads, one batch ahead."""
-    from vision.data import DeviceLoader, EncodedImages, from_albumentations
+    from vision.data import DeviceLoader, EncodedImages
 
     class InMemory(EncodedImages):  # the bytes are in memory on both sides
         def read(self, i: int) -> bytes:
             return blobs[i]
 
     enc = InMemory([f"img{i}.jpg" for i in range(len(blobs))], torch.zeros(len(blobs), dtype=torch.long), ["x"])
-    loader = DeviceLoader(enc, enc.targets, batch_size, from_albumentations(compose), decode_threads=2)
+    loader = DeviceLoader(enc, enc.targets, batch_size, pipeline, decode_threads=2)
     return lambda: count(loader)
 
 
@@ -206,6 +229,8 @@ def main() -> None:
     ap.add_argument("--jpeg-batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-cifar", action="store_true")
+    ap.add_argument("--case-seconds", type=float, default=20.0,
+                    help="do not start a pipeline with less than this left before the deadline")
     ap.add_argument("--cpu-time", action="store_true",
                     help="also report single-thread CPU time per image of the augmentation alone")
     args = ap.parse_args()
@@ -214,33 +239,46 @@ def main() -> None:
     src = "real CIFAR-10 JPEGs" if os.path.exists(ZIP) else "synthetic JPEGs (shared zip not found)"
     print(f"data: {src}; torch {torch.__version__}; CPU threads {torch.get_num_threads()}; "
           f"median of {args.repeats} alternating passes after a warm-up")
-    rows = []
+    stream = ResultStream("loader")
+    no_alb = albumentations_missing()
+    if no_alb:
+        stream.skip("albumentations side", no_alb)
 
     def record(name: str, rates: dict[str, list[float]]) -> None:
-        ours, alb = rates["ours"], rates["albumentations"]
-        ratios = [o / a for o, a in zip(ours, alb)]
-        rows.append({"pipeline": name, "device": "cpu", "ours_img_s": round(statistics.median(ours)),
-                     "albumentations_img_s": round(statistics.median(alb)),
-                     "ratio": round(statistics.median(ratios), 2),
-                     "ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}"})
+        ours = rates["ours"]
+        row = {"pipeline": name, "device": "cpu", "ours_img_s": round(statistics.median(ours))}
+        if "albumentations" in rates:
+            alb = rates["albumentations"]
+            ratios = [o / a for o, a in zip(ours, alb)]
+            row.update({"albumentations_img_s": round(statistics.median(alb)),
+                        "ratio": round(statistics.median(ratios), 2),
+                        "ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}"})
+        stream.add(row)
 
-    if not args.skip_cifar:
+    if not args.skip_cifar and out_of_time(args.case_seconds):
+        stream.skip("cifar pad-crop+flip+normalize", "deadline reached")
+    elif not args.skip_cifar:
         hwc = decode_all(load_jpegs(args.cifar_images, 0))
         images = torch.from_numpy(hwc).permute(0, 3, 1, 2).contiguous()
-        record("cifar pad-crop+flip+normalize (uint8 in memory)", alternate({
-            "albumentations": albumentations_side(list(hwc), alb_cifar(), False, args.batch_size),
-            "ours": ours_side(images, alb_cifar(), args.batch_size),
-        }, args.repeats))
+        sides = {"ours": ours_side(images, ours_cifar(), args.batch_size)}
+        if not no_alb:
+            sides["albumentations"] = albumentations_side(list(hwc), alb_cifar(), False, args.batch_size)
+        record("cifar pad-crop+flip+normalize (uint8 in memory)", alternate(sides, args.repeats))
     for size in args.jpeg_size:
-        blobs = load_jpegs(args.jpeg_images, size)
         label = f"{size}x{size}" if size else "32x32"
-        record(f"imagenet-style RRC224+flip+jitter+normalize (from {label} JPEG)", alternate({
-            "albumentations": albumentations_side(blobs, alb_imagenet(), True, args.jpeg_batch_size),
-            "ours": ours_jpeg_side(blobs, alb_imagenet(), args.jpeg_batch_size),
-        }, args.repeats))
+        name = f"imagenet-style RRC224+flip+jitter+normalize (from {label} JPEG)"
+        if out_of_time(args.case_seconds):
+            stream.skip(name, "deadline reached")
+            continue
+        blobs = load_jpegs(args.jpeg_images, size)
+        sides = {"ours": ours_jpeg_side(blobs, ours_imagenet(), args.jpeg_batch_size)}
+        if not no_alb:
+            sides["albumentations"] = albumentations_side(blobs, alb_imagenet(), True, args.jpeg_batch_size)
+        record(name, alternate(sides, args.repeats))
+    rows = stream.rows
     print_table(rows, ["pipeline", "device", "ours_img_s", "albumentations_img_s", "ratio", "ratio_range"])
     payload = {"args": vars(args), "data": src, "rows": rows}
-    if args.cpu_time:
+    if args.cpu_time and not no_alb:
         cpu_rows = cpu_time_rows(args)
         print("single-thread CPU time per image, augmentation only (ratio = albumentations / ours):")
         print_table(cpu_rows, ["pipeline", "ours_ms_per_img", "albumentations_ms_per_img", "ratio"])
@@ -250,25 +288,26 @@ def main() -> None:
         print("GPU: not measured on GPU (no CUDA device on this machine)")
         print(f"wrote {write_results('loader-cpu', payload)}")
         return
-    gpu_rows = gpu_measurements(args)
+    gpu_rows = gpu_measurements(args, stream)
     print_table(gpu_rows, ["pipeline", "side", "img_s"])
     payload["gpu_rows"] = gpu_rows
     print(f"wrote {write_results('loader-gpu', payload)}")
 
 
-def gpu_measurements(args) -> list[dict]:
+def gpu_measurements(args, stream: ResultStream) -> list[dict]:
     """Ours on CUDA (data resident), torchvision v2 per sample, kornia batched (if installed)."""
     import torchvision.transforms.v2 as T
 
-    rows = []
+    rows = stream.rows
+    start = len(rows)
     hwc = decode_all(load_jpegs(args.cifar_images, 0))
     images = torch.from_numpy(hwc).permute(0, 3, 1, 2).contiguous()
-    rate = alternate({"ours": ours_side(images, alb_cifar(), args.batch_size, device="cuda")}, args.repeats)
-    rows.append({"pipeline": "cifar", "side": "ours cuda (resident)", "img_s": round(statistics.median(rate["ours"]))})
+    rate = alternate({"ours": ours_side(images, ours_cifar(), args.batch_size, device="cuda")}, args.repeats)
+    stream.add({"pipeline": "cifar", "side": "ours cuda (resident)", "img_s": round(statistics.median(rate["ours"]))})
     big = torch.nn.functional.interpolate(images[: args.jpeg_images * 4].float(), size=256).round().byte()
-    rate = alternate({"ours": ours_side(big, alb_imagenet(), 256, device="cuda")}, args.repeats)
-    rows.append({"pipeline": "imagenet-style from uint8 256x256", "side": "ours cuda (resident)",
-                 "img_s": round(statistics.median(rate["ours"]))})
+    rate = alternate({"ours": ours_side(big, ours_imagenet(), 256, device="cuda")}, args.repeats)
+    stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "ours cuda (resident)",
+                "img_s": round(statistics.median(rate["ours"]))})
     tv = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.4, 0.4, 0.4, 0.1),
                     T.ToDtype(torch.float32, scale=True), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
     dev_imgs = big.cuda()
@@ -280,13 +319,13 @@ def gpu_measurements(args) -> list[dict]:
         return len(dev_imgs)
 
     rate = alternate({"tv": tv_run}, args.repeats)
-    rows.append({"pipeline": "imagenet-style from uint8 256x256", "side": "torchvision v2 per sample",
-                 "img_s": round(statistics.median(rate["tv"]))})
+    stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "torchvision v2 per sample",
+                "img_s": round(statistics.median(rate["tv"]))})
     try:
         import kornia.augmentation as K
     except ImportError:
-        rows.append({"pipeline": "imagenet-style", "side": "kornia: not installed, not measured", "img_s": None})
-        return rows
+        stream.skip("kornia batched", "kornia not installed; not measured")
+        return rows[start:]
     aug = torch.nn.Sequential(K.RandomResizedCrop((224, 224)), K.RandomHorizontalFlip(),
                               K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0))
 
@@ -297,9 +336,9 @@ def gpu_measurements(args) -> list[dict]:
         return len(dev_imgs)
 
     rate = alternate({"kornia": k_run}, args.repeats)
-    rows.append({"pipeline": "imagenet-style from uint8 256x256", "side": "kornia batched",
-                 "img_s": round(statistics.median(rate["kornia"]))})
-    return rows
+    stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "kornia batched",
+                "img_s": round(statistics.median(rate["kornia"]))})
+    return rows[start:]
 
 
 if __name__ == "__main__":

@@ -1,24 +1,29 @@
-"""ResNet-50 training throughput: eager vs torch.compile vs our compiled strategy with kernel substitutions,
+"""Training throughput: eager vs Inductor vs our compiled strategy with kernel substitutions (none, auto, all),
 plus the normalization kernels alone against device-to-device copy bandwidth. One process, one script.
 
-Training (default: torchvision ResNet-50, batch 256, 224 px, bf16 autocast, channels_last, SGD momentum):
-each variant starts from the same weights, runs ``--warmup`` steps (compilation happens there), then
-``--repeats`` timed windows of ``--steps`` steps; images/s come from the median window.
+Training (default: torchvision ResNet-50, batch 256, 224 px, bf16 autocast, channels_last, SGD momentum;
+``--model airbench94``: the airbench94 net, batch 1024, 32 px): each variant starts from the same weights,
+runs ``--warmup`` steps (compilation happens there), then ``--repeats`` timed windows of ``--steps`` steps;
+images/s come from the median window.
 
 * ``eager``            the model as is;
-* ``eager_kernels``    eager, with our substitutions applied (fused ops without ``torch.compile``);
+* ``eager_kernels``    eager, with every substitution applied (fused ops without ``torch.compile``);
 * ``compile``          ``torch.compile(model)`` (Inductor default);
 * ``max_autotune``     ``torch.compile(model, mode="max-autotune")``;
-* ``ours``             what ``Trainer(strategy="compiled")`` does to the model: ``ModuleCompiler`` with
-                       ``CompileConfig(kernels="all", channels_last=True, mode=--ours-mode)``;
-* ``ours_no_conv``     the same without ``conv_bn_act`` (cuDNN convs, fused norms): shows whether the
-                       Triton conv pays for itself on this GPU.
+* ``ours_none``        what ``Trainer(strategy="compiled")`` does to the model (``ModuleCompiler``,
+                       ``channels_last=True``) with ``kernels="none"``: the strategy's own overhead;
+* ``ours_auto``        the same with ``kernels="auto"`` (the default);
+* ``ours_all``         the same with ``kernels="all"`` (every recognised block substituted);
+* ``ours_no_conv``     ``kernels="all"`` without ``conv_bn_act`` (cuDNN convs, fused norms).
 
 Kernels alone (``--norm``; default shapes are ResNet-50 activations at batch 256): BatchNorm (training,
 +ReLU), GroupNorm (32 groups, +SiLU) and LayerNorm2d, forward and forward+backward, in GB/s of *effective*
 traffic (each tensor the op must read or write counted once: fwd reads x and writes y; bwd reads the
 gradient and x and writes dx) and as a fraction of the bandwidth of ``dst.copy_(src)`` on the same tensor.
 Eager PyTorch and ``torch.compile`` of the same norm+activation are timed alongside.
+
+Each variant and norm case is appended to ``LCV_RESULTS_JSONL`` as soon as it is measured, and none starts
+after the deadline (``LCV_DEADLINE``): see ``benchmarks/gpu_check.py``.
 
     python benchmarks/resnet_train.py                       # GPU: ResNet-50, batch 256, bf16
     python benchmarks/resnet_train.py --tiny                # CPU smoke run (small model, fp32, references)
@@ -47,7 +52,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, print_table, write_results
+from _common import ResultStream, out_of_time, print_table, time_ms, write_results
 
 from kernels.batch_norm_act import batch_norm_act
 from kernels.group_norm_act import group_norm_act
@@ -55,7 +60,11 @@ from kernels.layer_norm2d_act import layer_norm2d_act
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import KNOWN_KERNELS, CompileConfig
 
-VARIANTS = ("eager", "eager_kernels", "compile", "max_autotune", "ours", "ours_no_conv")
+VARIANTS = ("eager", "compile", "ours_none", "ours_auto", "ours_all", "ours_no_conv", "eager_kernels",
+            "max_autotune")
+#: CompileConfig.kernels of each strategy variant.
+STRATEGY_KERNELS = {"ours_none": "none", "ours_auto": "auto", "ours_all": "all",
+                    "ours_no_conv": [k for k in KNOWN_KERNELS if k != "conv_bn_act"]}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (name, N, C, H, W): ResNet-50 activations that a BatchNorm/GroupNorm sees, at the default batch.
 NORM_SHAPES = (
@@ -65,37 +74,15 @@ NORM_SHAPES = (
 )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_window_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median ms of one ``fn()`` after ``warmup`` calls (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return median(samples)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Training throughput
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
+    if args.model == "airbench94":
+        from vision.models.airbench import airbench94
+
+        return airbench94(num_classes=args.classes, **({"widths": (8, 16, 16)} if args.tiny else {}))
     if args.tiny:  # ResNet-50's structure (Bottleneck 3-4-6-3) at 1/8 width: same graph, small tensors
         from vision.models.resnet import Bottleneck, ResNet
 
@@ -119,17 +106,18 @@ def prepare_variant(
         print(report.summary().splitlines()[0], file=sys.stderr)
         return model, model
     if name == "compile":
-        return model, torch.compile(model)
+        return model, torch.compile(model, backend=args.compile_backend)
     if name == "max_autotune":
-        return model, torch.compile(model, mode="max-autotune")
-    if name in ("ours", "ours_no_conv"):
-        kernels = [k for k in KNOWN_KERNELS if name == "ours" or k != "conv_bn_act"]
+        return model, torch.compile(model, mode="max-autotune", backend=args.compile_backend)
+    if name in STRATEGY_KERNELS:
         # fallback="raise": a compile failure must not be timed as "ours" running eagerly
         compiler = ModuleCompiler(
-            CompileConfig(kernels=kernels, channels_last=True, mode=args.ours_mode, fallback="raise")
+            CompileConfig(kernels=STRATEGY_KERNELS[name], channels_last=True, mode=args.ours_mode,
+                          backend=args.compile_backend, fallback="raise")
         )
         compiler.compile(model, device)
-        print(compiler.substitution_report.summary().splitlines()[0], file=sys.stderr)
+        report = compiler.substitution_report
+        print(report.summary().splitlines()[0] if report else "no kernel substitutions", file=sys.stderr)
         model._bench_compiler = compiler  # read back for the graph-break count
         return model, model
     raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
@@ -165,9 +153,10 @@ def train_variant(
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
-    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     warmup_s = time.perf_counter() - t0
-    ms = time_window_ms(window, device, 0, args.repeats)
+    ms = time_ms(window, 0, args.repeats)
     compiler = getattr(model, "_bench_compiler", None)
     return {
         "variant": name,
@@ -180,7 +169,9 @@ def train_variant(
     }
 
 
-def bench_training(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def bench_training(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, stream: ResultStream
+) -> list[dict]:
     torch.manual_seed(0)
     base = build_model(args)
     g = torch.Generator().manual_seed(0)
@@ -189,16 +180,23 @@ def bench_training(args: argparse.Namespace, device: torch.device, dtype: torch.
     y = torch.randint(0, args.classes, (args.batch,), generator=g).to(device)
     rows = []
     for name in args.variants:
-        print(f"training: {name}", file=sys.stderr)
-        rows.append(train_variant(name, base, x, y, dtype, args))
+        if out_of_time(args.variant_seconds):
+            stream.skip(f"training {args.model} {name}", "deadline reached")
+            continue
+        print(f"training: {name}", file=sys.stderr, flush=True)
+        try:
+            row = {"model": args.model, **train_variant(name, base, x, y, dtype, args)}
+        except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
+            row = {"model": args.model, "variant": name,
+                   "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        for ref in ("eager", "compile", "max_autotune"):
+            ref_row = next((r for r in rows if r["variant"] == ref and "images_per_s" in r), None)
+            if ref_row is not None and "images_per_s" in row:
+                row[f"x_vs_{ref}"] = row["images_per_s"] / ref_row["images_per_s"]
+        rows.append(stream.add(row))
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    by_name = {r["variant"]: r["images_per_s"] for r in rows}
-    for r in rows:
-        for ref in ("eager", "compile", "max_autotune"):
-            if ref in by_name:
-                r[f"x_vs_{ref}"] = r["images_per_s"] / by_name[ref]
     return rows
 
 
@@ -251,12 +249,14 @@ def _time_fwd_and_bwd(fn: Callable, x: torch.Tensor, args: argparse.Namespace) -
     """(forward ms, forward+backward ms) of ``fn`` on ``x``."""
     xg = x.detach().clone().requires_grad_()
     probe = torch.randn_like(x)
-    fwd = time_window_ms(lambda: fn(x), x.device, args.warmup, args.repeats)
-    both = time_window_ms(lambda: torch.autograd.grad(fn(xg), xg, probe), x.device, args.warmup, args.repeats)
+    fwd = time_ms(lambda: fn(x), args.warmup, args.repeats)
+    both = time_ms(lambda: torch.autograd.grad(fn(xg), xg, probe), args.warmup, args.repeats)
     return fwd, both
 
 
-def bench_norms(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def bench_norms(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, stream: ResultStream
+) -> list[dict]:
     shapes = NORM_SHAPES
     if args.tiny:
         # 1/8 of the space, 1/8 of the channels but at least 32 (GroupNorm uses 32 groups)
@@ -266,19 +266,22 @@ def bench_norms(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         x = torch.randn(n, c, h, w, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
         nbytes = x.numel() * x.element_size()
         dst = torch.empty_like(x)
-        copy_ms = time_window_ms(lambda dst=dst, x=x: dst.copy_(x), device, args.warmup, args.repeats)
+        copy_ms = time_ms(lambda dst=dst, x=x: dst.copy_(x), args.warmup, args.repeats)
         copy_gbs = 2 * nbytes / (copy_ms / 1e3) / 1e9
-        rows.append(_gbs_row(name, "copy", "torch", "fwd", copy_ms, 2 * nbytes, copy_gbs))
+        rows.append(stream.add(_gbs_row(name, "copy", "torch", "fwd", copy_ms, 2 * nbytes, copy_gbs)))
         for op, (ours, eager) in _norm_cases((n, c, h, w), device, dtype).items():
             torch._dynamo.reset()
             providers = {"ours": ours, "eager": eager}
             if not args.no_compile:
-                providers["compile"] = torch.compile(eager)
+                providers["compile"] = torch.compile(eager, backend=args.compile_backend)
             for provider, fn in providers.items():
+                if out_of_time(args.case_seconds):
+                    stream.skip(f"norm {name} {op} {provider}", "deadline reached")
+                    continue
                 fwd_ms, both_ms = _time_fwd_and_bwd(fn, x, args)
                 # effective traffic: fwd reads x, writes y; bwd reads grad and x, writes dx
-                rows.append(_gbs_row(name, op, provider, "fwd", fwd_ms, 2 * nbytes, copy_gbs))
-                rows.append(_gbs_row(name, op, provider, "fwd+bwd", both_ms, 5 * nbytes, copy_gbs))
+                rows.append(stream.add(_gbs_row(name, op, provider, "fwd", fwd_ms, 2 * nbytes, copy_gbs)))
+                rows.append(stream.add(_gbs_row(name, op, provider, "fwd+bwd", both_ms, 5 * nbytes, copy_gbs)))
     return rows
 
 
@@ -289,12 +292,21 @@ def main() -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="CPU smoke run: ResNet-50 structure at 1/8 width, 32 px"
     )
-    parser.add_argument("--batch", type=int, default=None, help="default 256 (4 with --tiny)")
-    parser.add_argument("--size", type=int, default=None, help="image size, default 224 (32 with --tiny)")
-    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--model", choices=("resnet50", "airbench94"), default="resnet50")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="default 256 for resnet50, 1024 for airbench94 (4 with --tiny)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="image size, default 224 for resnet50, 32 for airbench94 (and with --tiny)")
+    parser.add_argument("--classes", type=int, default=None, help="default 1000 for resnet50, 10 for airbench94")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16 (fp32 with --tiny)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--ours-mode", default=None, help="CompileConfig.mode for the 'ours' variant")
+    parser.add_argument("--ours-mode", default=None, help="CompileConfig.mode for the 'ours_*' variants")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)")
+    parser.add_argument("--variant-seconds", type=float, default=60.0,
+                        help="do not start a training variant with less than this left before the deadline")
+    parser.add_argument("--case-seconds", type=float, default=10.0,
+                        help="do not start a norm case with less than this left before the deadline")
     parser.add_argument(
         "--warmup", type=int, default=None, help="steps before timing, default 10 (2 with --tiny)"
     )
@@ -313,19 +325,23 @@ def main() -> None:
     if not cuda and not args.tiny:
         print("no CUDA device: running the --tiny smoke configuration", file=sys.stderr)
         args.tiny = True
-    args.batch = args.batch or (4 if args.tiny else 256)
-    args.size = args.size or (32 if args.tiny else 224)
+    airbench = args.model == "airbench94"
+    args.batch = args.batch or (4 if args.tiny else 1024 if airbench else 256)
+    args.size = args.size or (32 if args.tiny or airbench else 224)
+    args.classes = args.classes or (10 if airbench else 1000)
     args.dtype = args.dtype or ("fp32" if args.tiny else "bf16")
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.repeats = args.repeats or (3 if args.tiny else 5)
     dtype = DTYPES[args.dtype]
-    train_rows = [] if args.no_train else bench_training(args, device, dtype)
-    norm_rows = [] if args.no_norm else bench_norms(args, device, dtype)
+    stream = ResultStream("resnet_train")
+    train_rows = [] if args.no_train else bench_training(args, device, dtype, stream)
+    norm_rows = [] if args.no_norm else bench_norms(args, device, dtype, stream)
     if train_rows:
         print_table(
             train_rows,
             [
+                "model",
                 "variant",
                 "images_per_s",
                 "ms_per_step",
@@ -335,12 +351,14 @@ def main() -> None:
                 "warmup_s",
                 "graph_breaks",
                 "first_loss",
+                "error",
             ],
         )
     if norm_rows:
         print_table(norm_rows, ["shape", "op", "provider", "mode", "ms", "GB/s", "pct_of_copy"])
+    parts = ["gpu" if cuda else "cpu"] + (["airbench94"] if airbench else []) + (["norms"] if args.no_train else [])
     path = write_results(
-        f"resnet_train-{'gpu' if cuda else 'cpu'}",
+        "resnet_train-" + "-".join(parts),
         {
             "args": vars(args),
             "path": "triton" if cuda else "reference (CPU smoke run: says nothing about the kernels)",

@@ -26,8 +26,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ResultStream, median, print_table, write_results  # noqa: E402
+
 import lightning_plugin  # noqa: E402
-from _common import median, print_table, write_results  # noqa: E402
 
 
 class SmallCNN(nn.Module):
@@ -95,6 +96,8 @@ def _loader(args: argparse.Namespace, steps: int) -> DataLoader:
 def run(args: argparse.Namespace, strategy: str, steps: int) -> list[float]:
     torch.manual_seed(0)
     timer = StepTimer()
+    if strategy == "compiled" and args.compile_backend != "inductor":
+        strategy = lightning_plugin.CompiledStrategy(backend=args.compile_backend)
     trainer = L.Trainer(
         accelerator="auto", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
@@ -107,7 +110,7 @@ def first_step_in_fresh_process(args: argparse.Namespace, cache_dir: str) -> flo
     """Seconds of the first compiled step in a new Python process using ``cache_dir`` as Inductor's cache."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     cmd = [sys.executable, __file__, "--first-step-only", "--batch", str(args.batch), "--size", str(args.size),
-           "--channels", str(args.channels)]
+           "--channels", str(args.channels), "--compile-backend", args.compile_backend]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["first_step_s"]
 
@@ -120,6 +123,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="steps per run; the first --warmup are not timed")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)")
+    parser.add_argument("--no-first-step", action="store_true",
+                        help="skip the first-step compile times in fresh processes (cold and warm cache)")
     parser.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup >= args.steps:
@@ -129,9 +136,11 @@ def main() -> None:
         print(json.dumps({"first_step_s": run(args, "compiled", 2)[0]}))
         return
 
-    with tempfile.TemporaryDirectory(prefix="lcv-inductor-cache-") as cache_dir:
-        cold = first_step_in_fresh_process(args, cache_dir)
-        warm = first_step_in_fresh_process(args, cache_dir)
+    cold = warm = float("nan")
+    if not args.no_first_step:
+        with tempfile.TemporaryDirectory(prefix="lcv-inductor-cache-") as cache_dir:
+            cold = first_step_in_fresh_process(args, cache_dir)
+            warm = first_step_in_fresh_process(args, cache_dir)
 
     medians: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(args.repeats):
@@ -152,6 +161,9 @@ def main() -> None:
         f"strategy_overhead-{device}",
         {"args": vars(args), "per_repeat_median_s": medians, "results": {r["measure"]: r["value"] for r in rows}},
     )
+    stream = ResultStream("strategy_overhead")
+    for row in rows:
+        stream.add(row)
     print(f"results written to {path}")
     print_table(rows, ["measure", "value"])
 

@@ -3,19 +3,39 @@
 
 from __future__ import annotations
 
-import albumentations as A
-import cv2
 import numpy as np
 import pytest
 import torch
+
+A = pytest.importorskip("albumentations", reason="albumentations (a dependency) is not installed here")
+cv2 = pytest.importorskip("cv2")
 import torchvision.transforms.v2.functional as TF
 
 from vision.data import (
-    CenterCrop, CoarseDropout, ColorJitter, Erasing, HorizontalFlip, Normalize, Pad, Pipeline, RandomCrop,
-    RandomResizedCrop, Resize, ResizeCenterCrop, ToGray, VerticalFlip, from_albumentations,
+    CenterCrop,
+    CoarseDropout,
+    ColorJitter,
+    Erasing,
+    HorizontalFlip,
+    Normalize,
+    Pad,
+    Pipeline,
+    RandomCrop,
+    RandomResizedCrop,
+    Resize,
+    ResizeCenterCrop,
+    ToGray,
+    VerticalFlip,
+    from_albumentations,
 )
 from vision.data.color import (
-    adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, color_jitter, hsv_to_rgb, rgb_to_hsv,
+    adjust_brightness,
+    adjust_contrast,
+    adjust_hue,
+    adjust_saturation,
+    color_jitter,
+    hsv_to_rgb,
+    rgb_to_hsv,
 )
 from vision.data.geometry import resized_crop
 

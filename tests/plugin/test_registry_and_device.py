@@ -5,10 +5,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.cli import LightningCLI
+from boring import TinyModule
 from lightning.pytorch.strategies import StrategyRegistry
 
-from boring import TinyModule
 from lightning_plugin import CompileConfig, CompiledDDPStrategy, CompiledStrategy
 
 
@@ -53,6 +52,9 @@ def test_config_and_keywords_are_exclusive():
 
 
 def test_lightning_cli_class_path(tmp_path):
+    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
     cli = LightningCLI(
         TinyModule,
         run=False,

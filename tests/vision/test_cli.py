@@ -14,6 +14,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_plugin import CompiledStrategy
 from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard, TrainingMonitor
+
+pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+
 from vision.cli import LcvCLI, _recipe_name, main, run
 from vision.recipes import get_recipe, list_recipes
 

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+
 from vision.cli import run
 from vision.models import create_model
 
