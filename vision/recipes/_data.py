@@ -136,7 +136,7 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
         eval_image_size: int | None = None,
         on_corrupt: OnCorrupt = "raise",
         limit_per_class: int | None = None,
-        val_split: str = "val",
+        val_split: float | str = "val",
         storage: Literal["uint8", "encoded"] = "uint8",
     ) -> None:
         if root is None:
