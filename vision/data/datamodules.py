@@ -25,7 +25,7 @@ from vision.data.datasets import (
 from vision.data.geometry import (
     CenterCrop, HorizontalFlip, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
 )
-from vision.data.loader import DeviceLoader, Uneven
+from vision.data.loader import DeviceLoader, Uneven, num_batches
 from vision.data.pipeline import Pipeline
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -95,6 +95,12 @@ class _DeviceDataModule(pl.LightningDataModule):
             for name, split in self._splits.items():
                 if len(split) == 0:
                     raise ValueError(f"{type(self).__name__}: the {name} split is empty")
+
+    def num_train_batches(self) -> int:
+        """Training batches per epoch and rank (builds the data set if needed; creates no loader)."""
+        self.setup()
+        _, _, world = self._placement()
+        return num_batches(len(self._splits["train"]), self.batch_size, world, self.uneven, self.drop_last)
 
     def _placement(self) -> tuple[torch.device, int, int]:
         trainer = self.trainer
