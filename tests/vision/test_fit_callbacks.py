@@ -115,3 +115,17 @@ def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
     with module.evaluating_with("final"):
         torch.testing.assert_close(module(x), module.model(x))
     torch.testing.assert_close(module(x), module.ema.module(x))
+
+
+def test_best_of_a_run_resumed_into_another_folder_is_kept(tmp_path):
+    """A resumed lcv run writes to a new version folder; Lightning then drops the interrupted run's best score,
+    and the summary lost its "best val/acc" line."""
+    checkpoint = BestAndLastCheckpoint(tmp_path / "version_1", monitor="val/acc", mode="max")
+    earlier = str(tmp_path / "version_0" / "best.ckpt")
+    checkpoint.load_state_dict({"dirpath": str(tmp_path / "version_0"), "best_model_score": torch.tensor(0.75),
+                                "best_model_path": earlier, "monitor": "val/acc"})
+    assert checkpoint.best() == (0.75, earlier)
+    checkpoint.best_model_score, checkpoint.best_model_path = torch.tensor(0.5), "new.ckpt"
+    assert checkpoint.best() == (0.75, earlier)
+    checkpoint.best_model_score = torch.tensor(0.8)
+    assert checkpoint.best() == (pytest.approx(0.8), "new.ckpt")
