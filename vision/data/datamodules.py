@@ -345,6 +345,7 @@ class ImageFolderDataModule(_DeviceDataModule):
 
     def _build(self) -> dict[str, ImageSet | EncodedImages]:
         train = self._load("train", require_every_class=True)
+        self.skipped = getattr(train, "skipped", 0)
         if self.val_fraction is not None:
             kept, held_out = stratified_split(train.targets, (1 - self.val_fraction, self.val_fraction), self.seed)
             if held_out.numel() == 0:
@@ -358,6 +359,7 @@ class ImageFolderDataModule(_DeviceDataModule):
                            f"seed {self.seed}); train keeps {len(train):,}")
         else:
             val = self._load(str(self.val_split), require_every_class=False)
+            self.skipped += getattr(val, "skipped", 0)
             if val.class_names != train.class_names:
                 only_train = sorted(set(train.class_names) - set(val.class_names))
                 only_val = sorted(set(val.class_names) - set(train.class_names))
@@ -366,7 +368,6 @@ class ImageFolderDataModule(_DeviceDataModule):
                     f"{only_train}, only in {self.val_split}: {only_val}; both need the same class folders"
                 )
         self.class_names, self.num_classes = train.class_names, len(train.class_names)
-        self.skipped = getattr(train, "skipped", 0) + getattr(val, "skipped", 0)
         return {"train": train, "val": val, "test": val}
 
     def default_train_pipeline(self) -> Pipeline:
@@ -390,11 +391,11 @@ class ImageFolderDataModule(_DeviceDataModule):
 def _val_fraction(root: str, val_split: float | str) -> float | None:
     """``val_split`` as a fraction of train, or ``None`` when it names a validation folder."""
     if isinstance(val_split, str):
-        if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, val_split)):
-            return None
         try:
             val_split = float(val_split)
         except ValueError:
+            if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, val_split)):
+                return None
             raise DatasetNotFoundError(
                 f"no {val_split!r} folder in {root!r} (expected {root}/{val_split}/<class>/<image>): add one, or hold "
                 "out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
