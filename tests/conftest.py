@@ -46,3 +46,21 @@ def cifar_zip() -> str:
     if not os.path.exists(path):
         pytest.skip(f"shared CIFAR-10 JPEG zip not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def photo_folder(tmp_path_factory) -> str:
+    """A small ImageFolder tree of real photos in every format (see ``tests/photo_folder.py``); read-only:
+    tests that add bad files work on a copy (``photo_copy``)."""
+    from photo_folder import write_photo_folder
+
+    return str(write_photo_folder(tmp_path_factory.mktemp("photos")))
+
+
+@pytest.fixture
+def photo_copy(photo_folder, tmp_path):
+    """A fresh copy of ``photo_folder`` (a ``Path``) that a test may add bad files to."""
+    import shutil
+    from pathlib import Path
+
+    return Path(shutil.copytree(photo_folder, tmp_path / "photos"))

@@ -16,6 +16,7 @@ turns EMA off.)
 from __future__ import annotations
 
 import difflib
+import logging
 import sys
 import time
 import warnings
@@ -24,11 +25,14 @@ from typing import Any
 
 import torch
 import yaml
-from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from vision.callbacks import BestAndLastCheckpoint, ThroughputMeter
+from vision.data.datasets import DatasetError
+from vision.finetune import WeightsError
 from vision.module import ClassificationModule
 from vision.recipes import DATAMODULES, Recipe, UnknownRecipeError, get_recipe, list_recipes, recipe_defaults
 
@@ -51,54 +55,25 @@ class LcvError(ValueError):
     """A usage error ``lcv`` reports in one line (exit status 2) instead of a traceback."""
 
 
-# ------------------------------------------------------------------------------------------- callbacks
-class ThroughputMeter(Callback):
-    """Training images per second over the training batches of every epoch (validation excluded).
+#: Lightning info lines ``lcv`` does not show: an advertisement and notes about its own internals.
+_NOT_SHOWN = ("litlogger", "Trainer already configured with model summary callbacks",
+              "to estimate number of stepping batches")
 
-    The clock runs from the start of each training epoch to its last training batch, so data loading
-    counts but validation does not; the device is synchronised before each reading.
-    """
+#: model options that decide the architecture: a checkpoint's weights only fit its own values.
+_ARCHITECTURE_OPTIONS = ("model", "model_kwargs")
 
-    def __init__(self) -> None:
-        self.samples = 0
-        self.seconds = 0.0
-        self.first_epoch_seconds: float | None = None
-        self.first_epoch_samples = 0
-        self._start = 0.0
-        self._last = 0.0
-        self._epoch_samples = 0
 
-    def _now(self, trainer: Trainer) -> float:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-        return time.perf_counter()
+def _quiet_lightning() -> None:
+    """Drop the messages of Lightning and PyTorch that say nothing about the user's run."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 
-    @override
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start = self._last = self._now(trainer)
-        self._epoch_samples = 0
+    class _NoTips(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not any(text in str(record.msg) for text in _NOT_SHOWN)
 
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self._last = self._now(trainer)
-        self._epoch_samples += int(batch[0].shape[0])
-
-    @override
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        elapsed = self._last - self._start
-        if self.first_epoch_seconds is None:
-            self.first_epoch_seconds, self.first_epoch_samples = elapsed, self._epoch_samples
-        self.seconds += elapsed
-        self.samples += self._epoch_samples
-
-    def images_per_second(self, skip_first_epoch: bool = False) -> float | None:
-        """All epochs, or all but the first (which includes compilation and warm-up)."""
-        samples, seconds = self.samples, self.seconds
-        if skip_first_epoch and self.first_epoch_seconds is not None:
-            samples -= self.first_epoch_samples
-            seconds -= self.first_epoch_seconds
-        return samples / seconds if seconds > 0 and samples > 0 else None
+    for handler in logging.getLogger("lightning.pytorch").handlers:
+        if not any(isinstance(f, _NoTips) for f in handler.filters):
+            handler.addFilter(_NoTips())
 
 
 # ------------------------------------------------------------------------------------------- the CLI
@@ -117,7 +92,11 @@ class LcvCLI(LightningCLI):
         self.gpu = torch.cuda.is_available() if gpu is None else gpu
         self.throughput = ThroughputMeter()
         self.started = time.perf_counter()
-        self.test_results: list[dict[str, float]] = []
+        #: test metrics after ``fit`` per evaluated weights: ``{"EMA": {...}, "final": {...}}``
+        self.test_results: dict[str, dict[str, float]] = {}
+        self._argv = list(sys.argv[1:] if kwargs.get("args") is None else kwargs["args"])
+        self._checkpoint_hparams: dict[str, Any] = {}
+        _quiet_lightning()
         kwargs.setdefault("parser_kwargs", {"prog": "lcv"})
         super().__init__(
             ClassificationModule,
@@ -136,7 +115,8 @@ class LcvCLI(LightningCLI):
         )
         parser.add_argument(
             "--test_after_fit", type=bool, default=True,
-            help="fit only: test the final weights after training and print a summary.",
+            help="fit only: test the final weights (and the EMA weights, when kept) after training and print a "
+                 "summary.",
         )
         parser.add_argument(
             "--predictions_path", type=str | None, default=None,
@@ -153,17 +133,64 @@ class LcvCLI(LightningCLI):
         }
         flat["trainer.callbacks"] = [
             {
-                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {"monitor": "val/acc", "mode": "max", "save_last": True,
-                              "filename": "best-{epoch}-{step}"},
+                "class_path": "vision.callbacks.BestAndLastCheckpoint",
+                "init_args": {"monitor": "val/acc", "mode": "max", "filename": "best-{epoch}-{step}"},
             },
             {"class_path": "lightning_plugin.callbacks.FaultTolerantCheckpoint"},
             {"class_path": "lightning_plugin.callbacks.NonFiniteLossGuard"},
             {"class_path": "lightning_plugin.callbacks.TrainingMonitor"},
-            {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+            {"class_path": "vision.callbacks.LcvProgressBar"},
+            {"class_path": "vision.callbacks.LcvModelSummary"},
+            {"class_path": "vision.callbacks.FitLoggingInterval"},
         ]
         flat["seed_everything"] = defaults["seed_everything"]
         parser.set_defaults(flat)
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Lightning copies the checkpoint's model hyperparameters over the parsed options; here the checkpoint
+        must come from this recipe, and model options given on the command line (or in a --config file) win,
+        except the ones that decide the architecture, where a difference is an error."""
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        path = self.config[subcommand].get("ckpt_path")
+        if not path:
+            return
+        if not Path(path).is_file():
+            raise LcvError(f"--ckpt_path {path!r} does not exist")
+        hparams = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        saved = hparams.get("recipe")
+        if saved and saved != self.recipe.name:
+            raise LcvError(
+                f"--ckpt_path {path!r} was saved by recipe {saved!r}, not {self.recipe.name!r}: its model does not "
+                f"fit recipe {self.recipe.name!r}. Leave out --recipe (the checkpoint's recipe is then used) or give a "
+                f"checkpoint of {self.recipe.name!r}"
+            )
+        model = self.config[subcommand]["model"]
+        given = {key: model[key] for key in self._given_model_options() if key in model}
+        for key in _ARCHITECTURE_OPTIONS:
+            if key in given and key in hparams and given[key] != hparams[key]:
+                raise LcvError(
+                    f"--model.{key} {given[key]!r} conflicts with --ckpt_path {path!r}, whose weights are for "
+                    f"{key}={hparams[key]!r}; leave out --model.{key}"
+                )
+        super()._parse_ckpt_path()
+        for key, value in given.items():
+            self.config[subcommand]["model"][key] = value
+        self._checkpoint_hparams = hparams
+
+    def _given_model_options(self) -> set[str]:
+        """The ``--model.*`` options set on the command line or in a --config file."""
+        keys = {arg[len("--model."):].split("=", 1)[0].split(".", 1)[0]
+                for arg in self._argv if arg.startswith("--model.")}
+        for path in _option(self._argv, "--config", "-c"):
+            loaded = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+            if isinstance(loaded, dict):
+                for section in (loaded, loaded.get(self._argv[0] if self._argv else "", None)):
+                    if isinstance(section, dict) and isinstance(section.get("model"), dict):
+                        keys.update(section["model"])
+        return keys
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -174,14 +201,25 @@ class LcvCLI(LightningCLI):
                 f"--config file (main saw {self.recipe.name!r})"
             )
         _check_data(self.recipe, config["data"])
+        if self.subcommand == "fit":
+            _check_run_length(config["trainer"])
         _drop_disabled_callbacks(config["trainer"])
 
     @override
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
+        except (DatasetError, WeightsError):
+            raise
         except (ValueError, MisconfigurationException) as err:  # the classes validate their arguments
             raise LcvError(f"invalid settings for recipe {self.recipe.name!r}: {err}") from err
+        classes = self._checkpoint_hparams.get("num_classes")
+        have = getattr(self.datamodule, "num_classes", None)
+        if classes is not None and have is not None and int(classes) != int(have):
+            raise LcvError(
+                f"the checkpoint's model has {classes} classes but the data set has {have} "
+                f"({', '.join(map(str, getattr(self.datamodule, 'class_names', [])))})"
+            )
 
     # ------------------------------------------------------------------------------------- subcommands
     def after_fit(self) -> None:
@@ -189,7 +227,12 @@ class LcvCLI(LightningCLI):
         if self.trainer.interrupted:
             return
         if config.get("test_after_fit", True):
-            self.test_results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
+            module = self.model
+            for name in module.evaluation_weights():
+                with module.evaluating_with(name):
+                    results = self.trainer.test(module, datamodule=self.datamodule, verbose=False)
+                if results:
+                    self.test_results[name] = results[0]
         if self.trainer.is_global_zero:
             print(self.fit_summary())
 
@@ -213,40 +256,59 @@ class LcvCLI(LightningCLI):
             print(f"lcv: saved {merged['preds'].shape[0]} predictions to {path}")
 
     def fit_summary(self) -> str:
-        """The lines ``lcv fit`` prints at the end: accuracy, throughput, where logs and checkpoints are."""
+        """The lines ``lcv fit`` prints at the end: accuracy of each evaluated weights, the best and the last
+        checkpoints, throughput, where the logs are."""
+        trainer = self.trainer
         lines = [f"lcv fit --recipe {self.recipe.name}: done in {time.perf_counter() - self.started:.1f} s "
-                 f"(from parsing the options to the end, imports not included; {self.trainer.current_epoch} "
-                 f"epochs, {self.trainer.global_step} steps, device {self.trainer.strategy.root_device})"]
-        if self.test_results:
-            result = self.test_results[0]
-            text = f"  test accuracy (final weights): {100 * result['test/acc']:.2f}%"
+                 f"(from parsing the options to the end, imports not included; {trainer.current_epoch} "
+                 f"epochs, {trainer.global_step} steps, device {trainer.strategy.root_device})"]
+        for name, result in self.test_results.items():
+            text = f"  test accuracy ({name} weights): {100 * result['test/acc']:.2f}%"
             if "test/acc_top5" in result:
                 text += f"  top-5 {100 * result['test/acc_top5']:.2f}%"
             lines.append(text)
-        checkpoint = self.trainer.checkpoint_callback
-        best = getattr(checkpoint, "best_model_score", None)
+        checkpoint = trainer.checkpoint_callback
+        evaluated = self.model.evaluation_weights()[0]
+        best = checkpoint.best() if isinstance(checkpoint, BestAndLastCheckpoint) else None
         if best is not None:
-            lines.append(f"  best val/acc: {100 * float(best):.2f}%")
+            lines.append(f"  best val/acc ({evaluated} weights): {100 * best[0]:.2f}%, checkpoint {best[1]}")
+        if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
+            lines.append(f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): "
+                         f"{checkpoint.last_model_path}")
         overall = self.throughput.images_per_second()
         if overall is not None:
             text = f"  training throughput: {overall:,.0f} images/s (all epochs"
             steady = self.throughput.images_per_second(skip_first_epoch=True)
             text += f"; {steady:,.0f} images/s without the first epoch)" if steady else ")"
             lines.append(text)
-        if self.trainer.logger is not None and getattr(self.trainer.logger, "log_dir", None):
-            lines.append(f"  TensorBoard logs: {self.trainer.logger.log_dir}   (tensorboard --logdir runs)")
-        if checkpoint is not None and getattr(checkpoint, "best_model_path", ""):
-            lines.append(f"  best checkpoint: {checkpoint.best_model_path}")
-        if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
-            lines.append(f"  last checkpoint: {checkpoint.last_model_path}")
+        if trainer.logger is not None and getattr(trainer.logger, "log_dir", None):
+            lines.append(f"  TensorBoard logs: {trainer.logger.log_dir}   (tensorboard --logdir runs)")
         return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- checks
 _DISABLES = {  # Trainer flag that, when false, rules out these default callbacks (Lightning would refuse them)
-    "enable_progress_bar": ("RichProgressBar", "TQDMProgressBar"),
-    "enable_checkpointing": ("ModelCheckpoint", "FaultTolerantCheckpoint"),
+    "enable_progress_bar": ("RichProgressBar", "TQDMProgressBar", "LcvProgressBar"),
+    "enable_checkpointing": ("ModelCheckpoint", "BestAndLastCheckpoint", "FaultTolerantCheckpoint"),
+    "enable_model_summary": ("ModelSummary", "RichModelSummary", "LcvModelSummary"),
 }
+
+
+def _check_run_length(trainer: Any) -> None:
+    """Refuse runs that would train nothing, or that never end (the learning-rate schedule needs their length)."""
+    get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
+    epochs, steps, limit = get("max_epochs"), get("max_steps"), get("limit_train_batches")
+    if epochs == 0:
+        raise LcvError("--trainer.max_epochs 0 trains nothing; give at least 1")
+    if steps == 0:
+        raise LcvError("--trainer.max_steps 0 trains nothing; give at least 1 (or -1 for no step limit)")
+    if limit is not None and limit == 0:
+        raise LcvError("--trainer.limit_train_batches 0 trains nothing; give a positive number of batches or fraction")
+    if epochs is not None and epochs < 0 and (steps is None or steps < 0):
+        raise LcvError(
+            f"--trainer.max_epochs {epochs} trains until stopped, but the learning-rate schedule needs the run's "
+            "length: give --trainer.max_steps N (or a number of epochs)"
+        )
 
 
 def _drop_disabled_callbacks(trainer: Any) -> None:
@@ -357,7 +419,9 @@ def _as_plain(recipe: Recipe) -> dict[str, Any]:
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``lcv`` (the console script); ``args`` replaces ``sys.argv[1:]``.
 
-    Usage errors print ``lcv: error: ...`` and exit with status 2.
+    Usage errors print ``lcv: error: ...`` and exit with status 2; problems with the user's files (a corrupt
+    image, a missing folder, classes that differ between train and val, weights that cannot be downloaded or do
+    not fit) print the same one line and exit with status 1.
     """
     run(args)
 
@@ -392,6 +456,9 @@ def run(args: list[str] | None = None, gpu: bool | None = None) -> LcvCLI | None
     except (LcvError, UnknownRecipeError) as err:
         print(f"lcv: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+    except (DatasetError, WeightsError) as err:  # the user's files: the message names the file or folder
+        print(f"lcv: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from err
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["ModelEMA", "lookahead_decay"]
+__all__ = ["ModelEMA", "ema_warmup_decay", "lookahead_decay"]
 
 
 class ModelEMA(nn.Module):
@@ -68,6 +68,16 @@ class ModelEMA(nn.Module):
         super().train(mode)
         self.module.eval()
         return self
+
+
+def ema_warmup_decay(decay: float, updates_before: int) -> float:
+    """The decay of an EMA update after ``updates_before`` others: ``min(decay, (1 + k) / (10 + k))``.
+
+    Why: with a decay meant for a long run (0.9999 per update) an average over a few hundred updates never leaves
+    the initial weights. This warm-up (TensorFlow's ``ExponentialMovingAverage(num_updates=)``) keeps the
+    average's horizon near a tenth of the updates so far, until ``decay`` takes over."""
+    k = max(int(updates_before), 0)
+    return min(decay, (1.0 + k) / (10.0 + k))
 
 
 def lookahead_decay(step: int, total_steps: int, every_n_steps: int = 5, base: float = 0.95) -> float:

@@ -8,8 +8,10 @@ augmentation in ``test``/``predict`` only (validation stays cheap and comparable
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,7 +21,10 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from vision.ema import ModelEMA, lookahead_decay
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from vision.ema import ModelEMA, ema_warmup_decay, lookahead_decay
+from vision.finetune import load_initial_weights, pretrained_state_dict, read_weights_file
 from vision.models import create_model
 from vision.tta import TTA_MODES, predict_with_tta
 
@@ -54,7 +59,10 @@ class ClassificationModule(pl.LightningModule):
         final_lr_factor: lr factor at the last step (cosine and triangle).
         step_epochs, step_gamma: for ``"step"``: multiply by ``step_gamma`` every ``step_epochs`` epochs.
         label_smoothing: cross-entropy label smoothing (works with soft mixup/cutmix targets too).
-        ema_decay: keep an EMA of the weights with this decay and evaluate with it; ``None`` = off.
+        ema_decay: keep an EMA of the weights with this decay and evaluate with it; ``None`` = off. The decay of
+            the k-th update is ``min(ema_decay, (1 + k) / (10 + k))`` (the warm-up of TensorFlow's
+            ``ExponentialMovingAverage(num_updates=)``), so the average follows the weights of short runs instead of
+            staying at the initial ones; the last training step always updates it.
         ema_every_n_steps: update the EMA (or lookahead) every n optimizer steps.
         lookahead: airbench's scheme instead of a plain EMA: every ``ema_every_n_steps`` the average moves
             with decay ``0.95**n * progress**3`` and the live model is reset to it. Not together with ``ema_decay``.
@@ -65,6 +73,11 @@ class ClassificationModule(pl.LightningModule):
         channels_last: convert the model to channels_last memory format.
         recipe: name of the recipe these settings came from. Informational, but saved with the
             hyperparameters so that ``lcv test --ckpt_path X`` can find the data set without ``--recipe``.
+        pretrained: start ``fit`` from the model's pretrained weights (torchvision's, else timm's; downloaded
+            once into their cache), with a new head for ``num_classes``.
+        weights: start ``fit`` from a ``state_dict`` file (``torch.save``; a checkpoint of this module works too),
+            with a new head when the file's head has another number of classes. Not with ``pretrained``.
+            Either is loaded when a ``fit`` begins without a checkpoint to resume (a resumed one overwrites them).
     """
 
     def __init__(
@@ -94,12 +107,16 @@ class ClassificationModule(pl.LightningModule):
             whitening_bias_epochs: int | None = None,
             channels_last: bool = True,
             recipe: str | None = None,
+            pretrained: bool = False,
+            weights: str | None = None,
     ) -> None:
         super().__init__()
         _validate(locals())
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.ema: ModelEMA | None = None
+        self._evaluate_with: str | None = None  # "EMA" or "final"; None = the default (EMA when kept)
+        self._initial_weights_loaded = False
         if num_classes is not None:
             self._build(num_classes)
 
@@ -133,16 +150,52 @@ class ClassificationModule(pl.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        if self.model is not None:
-            return
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        num_classes = getattr(datamodule, "num_classes", None)
-        if num_classes is None:
-            raise ValueError(
-                "ClassificationModule(num_classes=None) needs a datamodule with a `num_classes` attribute; "
-                "pass num_classes explicitly"
-            )
-        self._build(int(num_classes))
+        if self.model is None:
+            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            num_classes = getattr(datamodule, "num_classes", None)
+            if num_classes is None:
+                raise ValueError(
+                    "ClassificationModule(num_classes=None) needs a datamodule with a `num_classes` attribute; "
+                    "pass num_classes explicitly"
+                )
+            self._build(int(num_classes))
+        if stage == "fit" and (self.hparams.pretrained or self.hparams.weights) and not self._initial_weights_loaded:
+            self.load_initial_weights()
+
+    def load_initial_weights(self) -> str:
+        """Load the ``pretrained`` or ``weights`` file weights into the model (and its EMA); returns the report.
+
+        Called at the start of the first ``fit`` (before compiling), so fine-tuning needs no extra step."""
+        hp = self.hparams
+        if self.model is None:
+            raise RuntimeError("the model is not built yet: pass num_classes or run inside a Trainer")
+        if hp.weights:
+            state, source = read_weights_file(hp.weights), repr(hp.weights)
+        else:
+            state, source = pretrained_state_dict(hp.model)
+        report = load_initial_weights(self.model, state, int(hp.num_classes), source)
+        if self.ema is not None:
+            self.ema.module.load_state_dict(self.model.state_dict())
+        self._initial_weights_loaded = True
+        rank_zero_info(f"{type(self).__name__}: {report}")
+        return report
+
+    # ----------------------------------------------------------------------------------------- evaluation weights
+    def evaluation_weights(self) -> list[str]:
+        """The weights this module can evaluate, the default first: ``["EMA", "final"]`` with a plain EMA, else
+        ``["final"]`` (with lookahead the final weights are the average)."""
+        return ["EMA", "final"] if self.ema is not None and not self.hparams.lookahead else ["final"]
+
+    @contextlib.contextmanager
+    def evaluating_with(self, weights: str) -> Iterator[None]:
+        """Evaluate (validate/test/predict) with ``weights`` ("EMA" or "final") inside the block."""
+        if weights not in self.evaluation_weights():
+            raise ValueError(f"weights must be one of {self.evaluation_weights()}, got {weights!r}")
+        previous, self._evaluate_with = self._evaluate_with, weights
+        try:
+            yield
+        finally:
+            self._evaluate_with = previous
 
     # ----------------------------------------------------------------------------------------- forward
     @override
@@ -150,7 +203,7 @@ class ClassificationModule(pl.LightningModule):
         if self.model is None:
             raise RuntimeError("the model is not built yet: pass num_classes or run inside a Trainer with a datamodule")
         # Evaluate with the plain EMA; with lookahead the live model is itself the average at eval time.
-        if not self.training and self.ema is not None and not self.hparams.lookahead:
+        if not self.training and self.evaluation_weights()[0] == "EMA" and self._evaluate_with != "final":
             return self.ema(images)
         return self.model(images)
 
@@ -227,8 +280,9 @@ class ClassificationModule(pl.LightningModule):
                 self.ema.copy_to(self.model)
             if step >= total:  # airbench ends on the average itself
                 self.ema.copy_to(self.model)
-        elif step % hp.ema_every_n_steps == 0:
-            self.ema.update(self.model)
+        elif step % hp.ema_every_n_steps == 0 or step == total:  # the last step too: the EMA ends up to date
+            updates_before = (step - 1) // hp.ema_every_n_steps  # from the step alone, so resuming is exact
+            self.ema.update(self.model, ema_warmup_decay(hp.ema_decay, updates_before))
 
     @override
     def configure_optimizers(self) -> Any:
@@ -244,7 +298,13 @@ class ClassificationModule(pl.LightningModule):
             optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov)
         else:
             optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(hp.momentum, 0.999))
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        estimated = self.trainer.estimated_stepping_batches
+        if math.isinf(estimated):
+            raise ValueError(
+                "the learning-rate schedule needs the run's length, but the Trainer runs until stopped "
+                "(max_epochs=-1 and no max_steps); set max_steps (lcv: --trainer.max_steps N)"
+            )
+        total = max(int(estimated), 1)
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         steps_per_epoch = max(total // max_epochs, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -336,5 +396,7 @@ def _validate(args: dict[str, Any]) -> None:
         raise ValueError(f"ema_decay must be in [0, 1), got {args['ema_decay']!r}")
     if args["ema_every_n_steps"] < 1:
         raise ValueError(f"ema_every_n_steps must be >= 1, got {args['ema_every_n_steps']!r}")
+    if args["pretrained"] and args["weights"]:
+        raise ValueError("pretrained=True and weights= both give starting weights: choose one")
     if args["num_classes"] is not None and args["num_classes"] < 1:
         raise ValueError(f"num_classes must be >= 1, got {args['num_classes']!r}")

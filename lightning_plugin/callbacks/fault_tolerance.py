@@ -9,6 +9,10 @@ state recorded at the end of the last finished step instead, so the failed batch
 
 The loader must be resumable (``state_dict``/``load_state_dict``) and sized; unsized
 loaders are prefetched one batch ahead by Lightning, so their position cannot be exact.
+
+Nothing is saved when no training step finished in this ``fit`` (a data error, a bad option, a
+missing ``ckpt_path``): such a checkpoint would hold untrained (or merely reloaded) weights and
+its "resume from" advice would hide the real error.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
     """Saves ``dirpath/filename.ckpt`` when ``fit`` is interrupted; removes it after a clean finish.
 
     Resume with ``trainer.fit(model, ckpt_path=callback.ckpt_path)``. Under DDP every rank must
-    reach the exception (as with SIGTERM, which Lightning broadcasts): saving is collective.
+    reach the exception (as with SIGTERM, which Lightning broadcasts): saving is collective. After the
+    resumed run finishes cleanly, the interrupted checkpoint it started from is removed, also when
+    it lies in another folder (``lcv`` gives a resumed run a new version folder).
 
     Args:
         dirpath: where to write the checkpoint; ``None`` = the run's ``checkpoints`` folder (next to
@@ -46,6 +52,8 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
         self._resolve_dirpath = dirpath is None
         self._loader_states_at_step_end: list[dict[str, Any]] | None = None
         self._saving_after_exception = False
+        self._steps_finished = 0  # optimizer steps finished in this fit
+        self._resumed_from_interrupt = False
 
     @property
     @override
@@ -61,6 +69,10 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
             root = trainer.log_dir if trainer.loggers else None
             dirpath = os.path.join(root or trainer.default_root_dir, "checkpoints")
             self.dirpath = trainer.strategy.broadcast(dirpath)  # rank 0's logger version decides
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._steps_finished = 0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -81,17 +93,18 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._steps_finished += 1
         self._remember_loader_states(trainer)
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if trainer.state.fn != "fit":
-            return
+        if trainer.state.fn != "fit" or self._steps_finished == 0 or self.ckpt_path is None:
+            return  # nothing trained in this fit: the error is all there is to report
         self._saving_after_exception = True
         try:
-            trainer.save_checkpoint(self.ckpt_path)
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
         finally:
             self._saving_after_exception = False
         rank_zero_info(
@@ -112,6 +125,26 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
             fit_state.pop("combined_loader")  # nothing finished in this run: restart the loader
         else:
             fit_state["combined_loader"] = copy.deepcopy(self._loader_states_at_step_end)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"interrupted": self._saving_after_exception}  # marks the checkpoints this callback wrote
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed_from_interrupt = bool(state_dict.get("interrupted", False))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.ckpt_path is not None:
+            super().teardown(trainer, pl_module, stage)
+        resumed = trainer.ckpt_path
+        if stage != "fit" or not self._resumed_from_interrupt or not resumed or not os.path.isfile(resumed):
+            return
+        self._resumed_from_interrupt = False
+        if self.ckpt_path is None or os.path.abspath(resumed) != os.path.abspath(self.ckpt_path):
+            trainer.strategy.remove_checkpoint(resumed)
+            rank_zero_info(f"Removed {resumed!r}: the interrupted run it holds has now finished.")
 
     def _remember_loader_states(self, trainer: pl.Trainer) -> None:
         combined = trainer.fit_loop._combined_loader

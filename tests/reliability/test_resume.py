@@ -200,6 +200,49 @@ def test_default_dirpath_is_the_runs_checkpoint_folder(tmp_path, uninterrupted) 
     _assert_same_weights(_resume(str(expected), tmp_path / "resume"), uninterrupted)
 
 
+class _FailsBeforeTraining(Regressor):
+    def configure_optimizers(self):
+        raise ValueError("bad option before the first step")
+
+
+def test_failure_before_the_first_step_saves_nothing(tmp_path) -> None:
+    """A checkpoint of untrained weights with "resume from ..." advice would bury the real error."""
+    saver = FaultTolerantCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match="bad option before the first step"):
+        make_trainer(tmp_path, [saver]).fit(_FailsBeforeTraining(), ResumableBatches())
+    assert not os.path.exists(saver.ckpt_path)
+    unresolved = FaultTolerantCheckpoint()  # dirpath still unknown when the error comes (lcv's data errors)
+    with pytest.raises(ValueError, match="bad option before the first step"):
+        make_trainer(tmp_path, [unresolved]).fit(_FailsBeforeTraining(), ResumableBatches())
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_clean_finish_in_another_folder_removes_the_checkpoint_it_resumed_from(tmp_path, uninterrupted) -> None:
+    """lcv gives a resumed run a new version folder: the interrupted checkpoint of the first folder must go
+    when the run it holds has finished."""
+    first, second = tmp_path / "version_0", tmp_path / "version_1"
+    saver = FaultTolerantCheckpoint(first)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        make_trainer(first, [saver]).fit(fresh_model(fail_at_step=7), ResumableBatches())
+    assert os.path.exists(saver.ckpt_path)
+    model = fresh_model(seed=123)
+    make_trainer(second, [FaultTolerantCheckpoint(second)]).fit(model, ResumableBatches(), ckpt_path=saver.ckpt_path)
+    _assert_same_weights(_state(model), uninterrupted)
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_resumed_checkpoint_that_is_not_an_interrupt_checkpoint_stays(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    keeper = ModelCheckpoint(tmp_path / "kept", save_last=True)
+    make_trainer(tmp_path, [keeper, FaultTolerantCheckpoint(tmp_path)], max_epochs=1).fit(fresh_model(),
+                                                                                        ResumableBatches())
+    last = keeper.last_model_path
+    make_trainer(tmp_path / "more", [FaultTolerantCheckpoint(tmp_path / "more")]).fit(fresh_model(), ResumableBatches(),
+                                                                                      ckpt_path=last)
+    assert os.path.exists(last)
+
+
 def test_warns_when_the_loader_cannot_resume_mid_epoch(tmp_path) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 

@@ -3,7 +3,8 @@
 from vision.data.color import ColorJitter, Normalize, ToGray
 from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
 from vision.data.datasets import (
-    CorruptImageError, EncodedImages, ImageSet, list_image_folder, load_cifar10, load_digits_images, load_image_folder,
+    CorruptImageError, DatasetError, DatasetNotFoundError, EncodedImages, ImageSet, list_image_folder, load_cifar10,
+    load_digits_images, load_image_folder,
 )
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import (
@@ -16,7 +17,7 @@ from vision.data.pipeline import BatchOp, Pipeline, RaggedBatch
 
 __all__ = [
     "BatchOp", "CIFAR10DataModule", "CenterCrop", "CoarseDropout", "ColorJitter", "CorruptImageError",
-    "DeviceLoader", "DigitsDataModule", "EncodedImages", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet",
+    "DatasetError", "DatasetNotFoundError", "DeviceLoader", "DigitsDataModule", "EncodedImages", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet",
     "MixupCutmix", "Normalize", "Pad", "Pipeline", "RaggedBatch", "RandomCrop", "RandomResizedCrop",
     "RandomTranslate", "Resize", "ResizeCenterCrop", "ToGray", "VerticalFlip", "from_albumentations",
     "list_image_folder", "load_cifar10", "load_digits_images", "load_image_folder",

@@ -8,21 +8,24 @@ position) goes into checkpoints, so ``Trainer.fit(ckpt_path=...)`` resumes mid-e
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from vision.data.color import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from vision.data.datasets import (
-    EncodedImages, ImageSet, OnCorrupt, list_classes, list_image_folder, load_cifar10, load_digits_images,
-    load_image_folder, stratified_split,
+    DatasetError, DatasetNotFoundError, EncodedImages, ImageSet, OnCorrupt, list_classes, list_image_folder,
+    load_cifar10, load_digits_images, load_image_folder, stratified_split,
 )
 from vision.data.geometry import (
     CenterCrop, HorizontalFlip, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
 )
-from vision.data.loader import DeviceLoader, Uneven
+from vision.data.loader import DeviceLoader, Uneven, num_batches
 from vision.data.pipeline import Pipeline
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -93,6 +96,12 @@ class _DeviceDataModule(pl.LightningDataModule):
                 if len(split) == 0:
                     raise ValueError(f"{type(self).__name__}: the {name} split is empty")
 
+    def num_train_batches(self) -> int:
+        """Training batches per epoch and rank (builds the data set if needed; creates no loader)."""
+        self.setup()
+        _, _, world = self._placement()
+        return num_batches(len(self._splits["train"]), self.batch_size, world, self.uneven, self.drop_last)
+
     def _placement(self) -> tuple[torch.device, int, int]:
         trainer = self.trainer
         if trainer is None:
@@ -106,12 +115,20 @@ class _DeviceDataModule(pl.LightningDataModule):
         data = self._splits[split]
         device, rank, world = self._placement()
         images = data if isinstance(data, EncodedImages) else data.images
-        return DeviceLoader(
+        loader = DeviceLoader(
             images, data.targets, self.batch_size, self.train_pipeline if train else self.eval_pipeline,
             shuffle=train, drop_last=self.drop_last if train else False, seed=self.seed, device=device,
             rank=rank, world_size=world, uneven=self.uneven, decode_threads=max(1, self.num_workers),
             on_corrupt=self.on_corrupt,
         )
+        if len(loader) == 0:  # only drop_last can empty a loader: a run that would train on nothing
+            per_rank = f" per rank ({world} ranks)" if world > 1 else ""
+            raise DatasetError(
+                f"the {split} split has {len(data)} images{per_rank}, fewer than batch_size={self.batch_size} with "
+                f"drop_last=True: not one batch to train on. Lower batch_size to at most {len(data) // world} "
+                "(lcv: --data.batch_size) or keep the last partial batch (lcv: --data.drop_last false)"
+            )
+        return loader
 
     @override
     def train_dataloader(self) -> DeviceLoader:
@@ -263,7 +280,12 @@ class ImageFolderDataModule(_DeviceDataModule):
 
     Default train: random resized crop to ``image_size`` + flip + normalize; eval: shorter side to
     ``storage_size`` + centre crop ``image_size`` + normalize.  ``on_corrupt="skip"`` skips undecodable
-    files and warns the count; ``"raise"`` fails naming the file.
+    files and warns naming them; ``"raise"`` fails naming the file.
+
+    ``val_split``: the folder next to ``train/`` that holds the validation images (default ``"val"``), or a
+    fraction in (0, 1): that share of every class of ``train/`` is held out (seeded with ``seed``) when the data
+    set has no validation folder.  The test split is the validation split.  Every class folder of ``train/``
+    must hold images (a class never seen cannot be learnt); an empty one in the validation folder is a warning.
     """
 
     mean = IMAGENET_MEAN
@@ -283,7 +305,7 @@ class ImageFolderDataModule(_DeviceDataModule):
         storage_size: int | None = None,
         on_corrupt: OnCorrupt = "raise",
         limit_per_class: int | None = None,
-        val_split: str = "val",
+        val_split: float | str = "val",
         storage: Literal["uint8", "encoded"] = "uint8",
     ):
         super().__init__(batch_size, train_pipeline, eval_pipeline, seed, drop_last, num_workers, dtype)
@@ -299,26 +321,53 @@ class ImageFolderDataModule(_DeviceDataModule):
         self.limit_per_class = limit_per_class
         self.val_split = val_split
         self.class_names = list_classes(root, "train")  # known before setup (models need num_classes)
+        self.val_fraction = _val_fraction(root, val_split)
+        if self.val_fraction is None:
+            list_classes(root, str(val_split))  # a missing validation folder fails now, not after decoding train
         self.num_classes = len(self.class_names)
         self.skipped = 0
 
-    def _build(self) -> dict[str, ImageSet | EncodedImages]:
-        train: ImageSet | EncodedImages
-        val: ImageSet | EncodedImages
+    def _load(self, split: str, require_every_class: bool) -> ImageSet | EncodedImages:
+        start = time.perf_counter()
         if self.storage == "encoded":
-            train = list_image_folder(self.root, "train", self.limit_per_class)
-            val = list_image_folder(self.root, self.val_split, self.limit_per_class)
+            data: ImageSet | EncodedImages = list_image_folder(self.root, split, self.limit_per_class,
+                                                               require_every_class)
+            rank_zero_info(f"{split}: {len(data):,} image files in {len(data.class_names)} classes (decoded per batch)")
+            return data
+        data = load_image_folder(self.root, split, self.storage_size, self.on_corrupt, self.limit_per_class,
+                                 self.num_workers, require_every_class)
+        skipped = f", {data.skipped} skipped" if data.skipped else ""
+        rank_zero_info(
+            f"{split}: {len(data):,} images in {len(data.class_names)} classes decoded to {self.storage_size}x"
+            f"{self.storage_size} in {time.perf_counter() - start:.1f} s{skipped}"
+        )
+        return data
+
+    def _build(self) -> dict[str, ImageSet | EncodedImages]:
+        train = self._load("train", require_every_class=True)
+        self.skipped = getattr(train, "skipped", 0)
+        if self.val_fraction is not None:
+            kept, held_out = stratified_split(train.targets, (1 - self.val_fraction, self.val_fraction), self.seed)
+            if held_out.numel() == 0:
+                raise DatasetError(
+                    f"val_split={self.val_split} of {len(train)} training images holds out none: raise the fraction "
+                    "or add a val/ folder"
+                )
+            val = train.select(held_out)
+            train = train.select(kept)
+            rank_zero_info(f"val: {len(val):,} images held out of train/ ({self.val_fraction:.0%} of every class, "
+                           f"seed {self.seed}); train keeps {len(train):,}")
         else:
-            args = (self.storage_size, self.on_corrupt, self.limit_per_class, self.num_workers)
-            train = load_image_folder(self.root, "train", *args)
-            val = load_image_folder(self.root, self.val_split, *args)
-        if val.class_names != train.class_names:
-            raise ValueError(
-                f"ImageFolderDataModule: train classes {train.class_names} differ from {self.val_split} classes "
-                f"{val.class_names}"
-            )
+            val = self._load(str(self.val_split), require_every_class=False)
+            self.skipped += getattr(val, "skipped", 0)
+            if val.class_names != train.class_names:
+                only_train = sorted(set(train.class_names) - set(val.class_names))
+                only_val = sorted(set(val.class_names) - set(train.class_names))
+                raise DatasetError(
+                    f"the class folders of {self.root!r} differ between train/ and {self.val_split}/: only in train: "
+                    f"{only_train}, only in {self.val_split}: {only_val}; both need the same class folders"
+                )
         self.class_names, self.num_classes = train.class_names, len(train.class_names)
-        self.skipped = getattr(train, "skipped", 0) + getattr(val, "skipped", 0)
         return {"train": train, "val": val, "test": val}
 
     def default_train_pipeline(self) -> Pipeline:
@@ -337,3 +386,20 @@ class ImageFolderDataModule(_DeviceDataModule):
             ops.append(Resize(self.image_size))
         return Pipeline([*ops, Normalize(self.mean, self.std)], dtype=self.dtype)
 
+
+
+def _val_fraction(root: str, val_split: float | str) -> float | None:
+    """``val_split`` as a fraction of train, or ``None`` when it names a validation folder."""
+    if isinstance(val_split, str):
+        try:
+            val_split = float(val_split)
+        except ValueError:
+            if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, val_split)):
+                return None
+            raise DatasetNotFoundError(
+                f"no {val_split!r} folder in {root!r} (expected {root}/{val_split}/<class>/<image>): add one, or hold "
+                "out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
+            ) from None
+    if isinstance(val_split, bool) or not 0.0 < float(val_split) < 1.0:
+        raise ValueError(f"val_split must be a folder name or a fraction in (0, 1), got {val_split!r}")
+    return float(val_split)

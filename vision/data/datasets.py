@@ -2,10 +2,13 @@
 
 - :func:`load_digits_images`: scikit-learn's bundled ``load_digits`` (1797 real 8x8 digits), no download.
 - :func:`load_cifar10`: torchvision's CIFAR-10 (downloads when asked).
-- :func:`load_image_folder`: an ImageFolder tree ``<root>/<split>/<class>/<file>`` of JPEG/PNG files, or the
-  same layout inside a ``.zip`` (read member by member, never extracted).
+- :func:`load_image_folder`: an ImageFolder tree ``<root>/<split>/<class>/**/<file>`` of JPEG/PNG/GIF/WebP
+  files, or the same layout inside a ``.zip`` (read member by member, never extracted).
 
-Images are decoded once, in a thread pool, with a progress bar when it takes more than a few seconds.
+Images are decoded once, in a thread pool, straight into one preallocated tensor, with a progress bar when
+that takes more than a few seconds. Problems with the user's files raise :class:`DatasetError` subclasses that
+name the files; what is left out (corrupt files with ``on_corrupt="skip"``, image types torchvision cannot
+decode, empty class folders) is named in a warning.
 Images of different sizes are stored at one ``storage_size`` (shorter side resized, centre square crop),
 like FFCV's fixed-resolution storage; random resized crops then run on that copy.
 
@@ -20,32 +23,48 @@ import threading
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 OnCorrupt = Literal["raise", "skip"]
 
 
-class CorruptImageError(RuntimeError):
-    """An image file could not be decoded."""
+class DatasetError(ValueError):
+    """Something wrong with the user's images or folders (not with the code): ``lcv`` reports it in one line."""
+
+
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """A folder, split, zip or class the options point to is not there."""
+
+
+class CorruptImageError(DatasetError, RuntimeError):
+    """An image file could not be read or decoded."""
 
 
 @dataclass
 class ImageSet:
-    """uint8 images ``(N, C, H, W)``, int64 targets ``(N,)`` and the class names."""
+    """uint8 images ``(N, C, H, W)``, int64 targets ``(N,)``, the class names and the files left out."""
 
     images: Tensor
     targets: Tensor
     class_names: list[str]
-    skipped: int = 0
+    skipped_files: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
+
+    @property
+    def skipped(self) -> int:
+        """How many corrupt or unreadable files were left out (``on_corrupt="skip"``)."""
+        return len(self.skipped_files)
+
+    def select(self, indices: Tensor) -> ImageSet:
+        """The samples at ``indices`` (e.g. one part of a split)."""
+        return ImageSet(self.images[indices], self.targets[indices], self.class_names, self.skipped_files)
 
 
 def load_digits_images(image_size: int = 32) -> ImageSet:
@@ -81,59 +100,150 @@ def load_cifar10(root: str | None, train: bool, download: bool = False) -> Image
 
 
 # --------------------------------------------------------------------------------------------- folders
-def _list_folder(root: str, split: str) -> tuple[list[tuple[str, int]], list[str]]:
+#: File types read as images (what ``torchvision.io.decode_image`` decodes).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".webp")
+#: Image types torchvision cannot decode: listed in a warning instead of being dropped silently.
+UNDECODABLE_EXTENSIONS = (".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".heic", ".heif", ".avif", ".jxl")
+#: How many file names a warning or an error lists.
+NAMES_SHOWN = 5
+
+
+@dataclass
+class FolderListing:
+    """The image files of one split: ``(path, class index)`` items, the class names, and what was left out."""
+
+    items: list[tuple[str, int]]
+    classes: list[str]
+    undecodable: list[str]  # image files of a type torchvision cannot decode
+    where: str  # the split's folder (or ``zip:split``) for messages
+
+    def empty_classes(self) -> list[str]:
+        present = {c for _, c in self.items}
+        return [name for i, name in enumerate(self.classes) if i not in present]
+
+
+def _named(names: Sequence[str]) -> str:
+    """The first :data:`NAMES_SHOWN` names, and how many more."""
+    shown = ", ".join(repr(n) for n in names[:NAMES_SHOWN])
+    return shown + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else "")
+
+
+def _hidden(name: str) -> bool:
+    """Hidden files and folders (``.DS_Store``, ``.ipynb_checkpoints``, macOS AppleDouble ``._x.jpg``) and
+    the ``__MACOSX`` folder of zips made on a Mac: never images, never classes."""
+    return name.startswith(".") or name == "__MACOSX"
+
+
+def _classify(path: str, items: list[tuple[str, int]], undecodable: list[str], label: int) -> None:
+    ext = os.path.splitext(path)[1].lower()
+    if ext in IMAGE_EXTENSIONS:
+        items.append((path, label))
+    elif ext in UNDECODABLE_EXTENSIONS:
+        undecodable.append(path)
+
+
+def _list_folder(root: str, split: str) -> FolderListing:
+    """Every image under ``<root>/<split>/<class>/``, sub-folders included (as torchvision's ``ImageFolder``,
+    following links), sorted by path."""
     base = os.path.join(root, split)
     if not os.path.isdir(base):
-        raise FileNotFoundError(f"image folder split not found: {base!r} (expected {root}/{split}/<class>/<image>)")
-    classes = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
-    items = []
-    for c, name in enumerate(classes):
-        for f in sorted(os.listdir(os.path.join(base, name))):
-            if f.lower().endswith(IMAGE_EXTENSIONS):
-                items.append((os.path.join(base, name, f), c))
-    return items, classes
+        raise DatasetNotFoundError(
+            f"image folder split not found: {base!r} (expected {root}/{split}/<class>/<image>)"
+        )
+    classes = sorted(d for d in os.listdir(base) if not _hidden(d) and os.path.isdir(os.path.join(base, d)))
+    items: list[tuple[str, int]] = []
+    undecodable: list[str] = []
+    for label, name in enumerate(classes):
+        for folder, subfolders, files in sorted(os.walk(os.path.join(base, name), followlinks=True)):
+            subfolders[:] = sorted(d for d in subfolders if not _hidden(d))
+            for f in sorted(files):
+                if not _hidden(f):
+                    _classify(os.path.join(folder, f), items, undecodable, label)
+    items.sort(key=lambda item: (item[1], item[0]))
+    return FolderListing(items, classes, undecodable, base)
 
 
-def _list_zip(zf: zipfile.ZipFile, split: str) -> tuple[list[tuple[str, int]], list[str]]:
+def _list_zip(zf: zipfile.ZipFile, split: str) -> FolderListing:
     prefix = split.strip("/") + "/"
-    members = []
+    entries = []
     for name in zf.namelist():
-        if name.startswith(prefix) and name.lower().endswith(IMAGE_EXTENSIONS):
-            parts = name[len(prefix):].split("/")
-            if len(parts) == 2:
-                members.append((parts[0], name))
-    classes = sorted({c for c, _ in members})
+        if not name.startswith(prefix):
+            continue
+        parts = name[len(prefix):].split("/")
+        if len(parts) >= 2 and parts[0] and not any(_hidden(p) for p in parts if p):
+            entries.append((parts[0], name, bool(parts[-1])))  # (class, member, is a file)
+    classes = sorted({c for c, _, _ in entries})
     index = {c: i for i, c in enumerate(classes)}
-    return [(name, index[c]) for c, name in sorted(members, key=lambda m: m[1])], classes
+    items: list[tuple[str, int]] = []
+    undecodable: list[str] = []
+    for c, name, is_file in sorted(entries, key=lambda e: (e[0], e[1])):
+        if is_file:
+            _classify(name, items, undecodable, index[c])
+    return FolderListing(items, classes, undecodable, f"{zf.filename}:{prefix}")
 
 
 def _open_zip(path: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except zipfile.BadZipFile as err:
-        raise ValueError(f"{path!r} is not a zip file ({err}); pass a folder or a zip of <split>/<class>/<image>") \
+        raise DatasetError(f"{path!r} is not a zip file ({err}); pass a folder or a zip of <split>/<class>/<image>") \
             from err
+
+
+def _listing(root: str, split: str, require_every_class: bool) -> FolderListing:
+    """List a split of a folder or zip; warn about what is left out; fail when nothing (or, with
+    ``require_every_class``, some class) has images."""
+    if not os.path.exists(root):
+        raise DatasetNotFoundError(f"image folder or zip not found: {root!r}")
+    if root.lower().endswith(".zip"):
+        with _open_zip(root) as zf:
+            listing = _list_zip(zf, split)
+        if not listing.items:
+            raise DatasetNotFoundError(f"no images under '{split}/<class>/' in zip {root!r}")
+    else:
+        listing = _list_folder(root, split)
+        if not listing.items:
+            raise DatasetNotFoundError(
+                f"no {'/'.join(IMAGE_EXTENSIONS)} images under {listing.where!r} (expected <class>/<image>)"
+            )
+    if listing.undecodable:
+        warnings.warn(
+            f"ignored {len(listing.undecodable)} image file(s) under {listing.where!r} of a type torchvision "
+            f"cannot decode (convert them to JPEG/PNG): {_named(listing.undecodable)}", stacklevel=3,
+        )
+    empty = listing.empty_classes()
+    if empty and require_every_class:
+        raise DatasetError(
+            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images: a class the model never "
+            "sees cannot be learnt; add images or remove the folder(s)"
+        )
+    if empty:
+        warnings.warn(
+            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images (kept as classes, so the "
+            "class indices match the other splits)", stacklevel=3,
+        )
+    return listing
 
 
 def list_classes(root: str, split: str) -> list[str]:
     """Sorted class names of ``<root>/<split>/<class>/`` (``root`` a folder or a ``.zip``), cheaply."""
     if not os.path.exists(root):
-        raise FileNotFoundError(f"image folder or zip not found: {root!r}")
+        raise DatasetNotFoundError(f"image folder or zip not found: {root!r}")
     if root.lower().endswith(".zip"):
         with _open_zip(root) as zf:
             prefix = split.strip("/") + "/"
             names = {n[len(prefix):].split("/")[0] for n in zf.namelist() if n.startswith(prefix) and
                      n.count("/") >= 2}
-            classes = sorted(c for c in names if c)
+            classes = sorted(c for c in names if c and not _hidden(c))
     else:
         base = os.path.join(root, split)
         if not os.path.isdir(base):
-            raise FileNotFoundError(
+            raise DatasetNotFoundError(
                 f"image folder split not found: {base!r} (expected {root}/{split}/<class>/<image>)"
             )
-        classes = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
+        classes = sorted(d for d in os.listdir(base) if not _hidden(d) and os.path.isdir(os.path.join(base, d)))
     if not classes:
-        raise FileNotFoundError(f"no class folders under {split!r} in {root!r}")
+        raise DatasetNotFoundError(f"no class folders under {split!r} in {root!r}")
     return classes
 
 
@@ -150,13 +260,19 @@ def _take_per_class(items: list[tuple[str, int]], limit: int | None) -> list[tup
 
 
 def decode_image_bytes(data: bytes, name: str) -> Tensor:
-    """Bytes of a JPEG/PNG -> uint8 (3, H, W) RGB; :class:`CorruptImageError` naming the file otherwise."""
+    """Bytes of an image file -> uint8 (3, H, W) RGB; :class:`CorruptImageError` naming the file otherwise.
+
+    Grayscale, palette and RGBA images become RGB (alpha dropped), CMYK JPEGs are converted; 16-bit PNGs keep
+    their high byte (``v >> 8``, as PIL reads 16-bit RGB), so every file gives the same 0..255 scale."""
     import torchvision.io as tio
+    import torchvision.transforms.v2.functional as TF
 
     try:
         img = tio.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tio.ImageReadMode.RGB)
     except Exception as err:  # torchvision raises RuntimeError with libjpeg/libpng messages
         raise CorruptImageError(f"cannot decode image {name!r}: {err}") from err
+    if img.dtype != torch.uint8:
+        img = TF.to_dtype(img, torch.uint8, scale=True)
     return img
 
 
@@ -186,7 +302,9 @@ def _progress(total: int, desc: str):
 def _decode_all(
     items: Sequence[tuple[str, int]], read: Callable[[str], bytes], storage_size: int | None,
     on_corrupt: OnCorrupt, num_threads: int, desc: str,
-) -> tuple[list[Tensor], list[int], int]:
+) -> tuple[Tensor, Tensor, list[str]]:
+    """Decode ``items`` in threads straight into one preallocated uint8 tensor (no stacking pass afterwards,
+    no second copy in memory): ``(images, labels, skipped files)``."""
     if on_corrupt not in ("raise", "skip"):
         raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
 
@@ -195,7 +313,7 @@ def _decode_all(
         try:
             try:
                 data = read(path)
-            except OSError as err:  # unreadable (permissions, I/O error): handled like a corrupt file
+            except OSError as err:  # unreadable (permissions, dangling link, I/O error): as a corrupt file
                 raise CorruptImageError(f"cannot read image file {path!r}: {err}") from err
             img = decode_image_bytes(data, path)
         except CorruptImageError:
@@ -205,19 +323,31 @@ def _decode_all(
         return fit_to_square(img, storage_size) if storage_size is not None else img
 
     bar = _progress(len(items), desc)
-    images, labels, skipped = [], [], 0
+    out: Tensor | None = None
+    labels: list[int] = []
+    skipped: list[str] = []
     with ThreadPoolExecutor(max(1, num_threads)) as pool:
         for (path, label), img in zip(items, pool.map(work, items)):
             if bar is not None:
                 bar.update(1)
             if img is None:
-                skipped += 1
+                skipped.append(path)
                 continue
-            images.append(img)
+            if out is None:
+                out = torch.empty((len(items), *img.shape), dtype=torch.uint8)
+            elif img.shape != out.shape[1:]:
+                raise DatasetError(
+                    f"{path!r} is {img.shape[2]}x{img.shape[1]} but the first image is {out.shape[3]}x"
+                    f"{out.shape[2]}: images of different sizes need storage_size=<int> to store them at one size"
+                )
+            out[len(labels)] = img
             labels.append(label)
     if bar is not None:
         bar.close()
-    return images, labels, skipped
+    images = torch.empty((0, 3, 0, 0), dtype=torch.uint8) if out is None else out[: len(labels)]
+    if skipped and out is not None:
+        images = images.clone()  # release the rows reserved for the skipped files
+    return images, torch.tensor(labels, dtype=torch.int64), skipped
 
 
 def load_image_folder(
@@ -227,29 +357,25 @@ def load_image_folder(
     on_corrupt: OnCorrupt = "raise",
     limit_per_class: int | None = None,
     num_threads: int = 2,
+    require_every_class: bool = False,
 ) -> ImageSet:
-    """Decode ``<root>/<split>/<class>/*.{jpg,jpeg,png}`` (``root`` may be a ``.zip``) into an :class:`ImageSet`.
+    """Decode ``<root>/<split>/<class>/**/*.{jpg,jpeg,png,gif,webp}`` (``root`` may be a ``.zip``) into an
+    :class:`ImageSet`.
 
-    ``storage_size`` resizes every image to a square of that side (needed when sizes differ).
-    ``on_corrupt="skip"`` drops undecodable files and warns how many; ``"raise"`` names the first one.
+    Images in sub-folders of a class folder belong to that class (as in torchvision's ``ImageFolder``); hidden
+    files (macOS ``._*``, ``.DS_Store``) are not images. ``storage_size`` resizes every image to a square of that
+    side (needed when sizes differ). ``on_corrupt="skip"`` drops undecodable files and warns naming them;
+    ``"raise"`` names the first one. A class folder without images is a warning, or an error with
+    ``require_every_class``.
     """
-    if not os.path.exists(root):
-        raise FileNotFoundError(f"image folder or zip not found: {root!r}")
+    listing = _listing(root, split, require_every_class)
+    items = _take_per_class(listing.items, limit_per_class)
     if root.lower().endswith(".zip"):
         with _open_zip(root) as zf:
-            items, classes = _list_zip(zf, split)
-            if not items:
-                raise FileNotFoundError(f"no images under '{split}/<class>/' in zip {root!r}")
-            items = _take_per_class(items, limit_per_class)
             # ZipFile is not thread-safe for concurrent reads: read bytes serially, decode in threads.
             blobs = {name: zf.read(name) for name, _ in items}
         read: Callable[[str], bytes] = blobs.__getitem__
     else:
-        items, classes = _list_folder(root, split)
-        if not items:
-            raise FileNotFoundError(f"no {'/'.join(IMAGE_EXTENSIONS)} images under {os.path.join(root, split)!r}")
-        items = _take_per_class(items, limit_per_class)
-
         def read(path: str) -> bytes:
             with open(path, "rb") as fh:
                 return fh.read()
@@ -257,16 +383,11 @@ def load_image_folder(
     images, labels, skipped = _decode_all(items, read, storage_size, on_corrupt, num_threads,
                                           f"decoding {os.path.basename(root)}/{split}")
     if skipped:
-        warnings.warn(f"skipped {skipped} corrupt or unreadable image(s) in {root!r} ({split})", stacklevel=2)
-    if not images:
-        raise ValueError(f"no decodable images in {root!r} ({split}); {skipped} file(s) were corrupt")
-    sizes = {tuple(im.shape[-2:]) for im in images}
-    if len(sizes) > 1:
-        raise ValueError(
-            f"images in {root!r} ({split}) have {len(sizes)} different sizes (e.g. {sorted(sizes)[:3]}); "
-            "pass storage_size=<int> to store them at one size"
-        )
-    return ImageSet(torch.stack(images), torch.tensor(labels, dtype=torch.int64), classes, skipped)
+        warnings.warn(f"skipped {len(skipped)} corrupt or unreadable image(s) in {root!r} ({split}): "
+                      f"{_named(skipped)}", stacklevel=2)
+    if not len(labels):
+        raise DatasetError(f"no decodable images in {root!r} ({split}); {len(skipped)} file(s) were corrupt")
+    return ImageSet(images, labels, listing.classes, skipped)
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -307,6 +428,11 @@ class EncodedImages:
     def __len__(self) -> int:
         return len(self.sources)
 
+    def select(self, indices: Tensor) -> EncodedImages:
+        """The samples at ``indices`` (e.g. one part of a split)."""
+        return EncodedImages([self.sources[i] for i in indices.tolist()], self.targets[indices], self.class_names,
+                             self.zip_path)
+
     def name(self, i: int) -> str:
         """The file that sample ``i`` comes from (for error messages)."""
         return f"{self.zip_path}:{self.sources[i]}" if self.zip_path else self.sources[i]
@@ -334,25 +460,15 @@ class EncodedImages:
         self._local = threading.local()
 
 
-def list_image_folder(root: str, split: str, limit_per_class: int | None = None) -> EncodedImages:
-    """The files of ``<root>/<split>/<class>/*`` (``root`` may be a ``.zip``), not decoded: see
-    :class:`EncodedImages`."""
-    if not os.path.exists(root):
-        raise FileNotFoundError(f"image folder or zip not found: {root!r}")
-    if root.lower().endswith(".zip"):
-        with _open_zip(root) as zf:
-            items, classes = _list_zip(zf, split)
-        if not items:
-            raise FileNotFoundError(f"no images under '{split}/<class>/' in zip {root!r}")
-        zip_path: str | None = root
-    else:
-        items, classes = _list_folder(root, split)
-        if not items:
-            raise FileNotFoundError(f"no {'/'.join(IMAGE_EXTENSIONS)} images under {os.path.join(root, split)!r}")
-        zip_path = None
-    items = _take_per_class(items, limit_per_class)
-    return EncodedImages([p for p, _ in items], torch.tensor([c for _, c in items], dtype=torch.int64), classes,
-                         zip_path)
+def list_image_folder(root: str, split: str, limit_per_class: int | None = None,
+                      require_every_class: bool = False) -> EncodedImages:
+    """The files of ``<root>/<split>/<class>/**`` (``root`` may be a ``.zip``), not decoded: see
+    :class:`EncodedImages` (and :func:`load_image_folder` for what counts as an image)."""
+    listing = _listing(root, split, require_every_class)
+    items = _take_per_class(listing.items, limit_per_class)
+    zip_path = root if root.lower().endswith(".zip") else None
+    return EncodedImages([p for p, _ in items], torch.tensor([c for _, c in items], dtype=torch.int64),
+                         listing.classes, zip_path)
 
 
 def stratified_split(

@@ -111,23 +111,25 @@ def build(
 
 
 def default_callbacks(monitor: bool = True, progress_bar: bool = True) -> list[pl.Callback]:
-    """The callbacks ``lcv fit`` adds: best-and-last checkpoints, a checkpoint of an interrupted run
-    (``interrupted.ckpt``), a NaN/Inf loss guard, the ``TrainingMonitor`` and a rich progress bar."""
-    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-
+    """The callbacks ``lcv fit`` adds: best-and-last checkpoints (``last.ckpt`` always the latest state), a
+    checkpoint of an interrupted run (``interrupted.ckpt``), a NaN/Inf loss guard, the ``TrainingMonitor``, a
+    logging interval that fits short epochs, a short model summary and a progress bar."""
     from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard
+    from vision.callbacks import BestAndLastCheckpoint, FitLoggingInterval, LcvModelSummary, LcvProgressBar
 
     callbacks: list[pl.Callback] = [
-        ModelCheckpoint(monitor="val/acc", mode="max", save_last=True, filename="best-{epoch}-{step}"),
+        BestAndLastCheckpoint(monitor="val/acc", mode="max", filename="best-{epoch}-{step}"),
         FaultTolerantCheckpoint(),
         NonFiniteLossGuard(),
+        FitLoggingInterval(),
+        LcvModelSummary(),
     ]
     if monitor:
         from lightning_plugin.callbacks import TrainingMonitor
 
         callbacks.append(TrainingMonitor())
     if progress_bar:
-        callbacks.append(RichProgressBar())
+        callbacks.append(LcvProgressBar())
     return callbacks
 
 

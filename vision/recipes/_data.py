@@ -84,6 +84,7 @@ class DigitsData(RecipeData, DigitsDataModule):
     ) -> None:
         super().__init__(batch_size=batch_size, image_size=image_size, seed=seed, drop_last=drop_last)
         self.augment = augment
+        self.save_hyperparameters()  # logged as data/* next to the module's hyperparameters
 
 
 class CIFAR10Data(RecipeData, CIFAR10DataModule):
@@ -110,6 +111,7 @@ class CIFAR10Data(RecipeData, CIFAR10DataModule):
             drop_last=drop_last, num_workers=num_workers, limit_per_class=limit_per_class,
         )
         self.augment = augment
+        self.save_hyperparameters()
 
 
 class ImageFolderData(RecipeData, ImageFolderDataModule):
@@ -136,7 +138,7 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
         eval_image_size: int | None = None,
         on_corrupt: OnCorrupt = "raise",
         limit_per_class: int | None = None,
-        val_split: str = "val",
+        val_split: float | str = "val",
         storage: Literal["uint8", "encoded"] = "uint8",
     ) -> None:
         if root is None:
@@ -152,6 +154,7 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
             )
         self.augment = augment
         self.eval_image_size = eval_image_size
+        self.save_hyperparameters()
 
     @override
     def default_eval_pipeline(self) -> Pipeline:
