@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+
 from vision.cli import main, run
 
 SMALL = ["--recipe", "imagefolder-small", "--model.model_kwargs", '{"widths": [8, 8, 8]}', "--model.whitening_images",
