@@ -43,6 +43,7 @@ __all__ = [
     "Replacement",
     "SubstitutionReport",
     "apply_substitutions",
+    "planned_norms",
     "substituted_modules",
     "undo_substitutions",
 ]
@@ -357,3 +358,16 @@ def undo_substitutions(module: nn.Module, report: SubstitutionReport) -> None:
 def substituted_modules(module: nn.Module) -> list[str]:
     """Paths of the submodules of ``module`` that currently run a substitution plan."""
     return [path or type(sub).__name__ for path, sub in module.named_modules() if PLAN_ATTR in sub.__dict__]
+
+
+def planned_norms(module: nn.Module) -> dict[str, str]:
+    """The mode (a kernel name, or "eager") of each norm that a rewritten submodule of ``module`` runs, by the
+    norm's path: what a coverage report counts."""
+    modes: dict[str, str] = {}
+    for path, sub in module.named_modules():
+        plan = sub.__dict__.get(PLAN_ATTR)
+        for step in _steps(plan) if plan is not None else ():
+            if step.mode != "call":
+                modes[".".join(p for p in (path, step.norm) if p)] = step.mode
+    return modes
+

@@ -101,6 +101,12 @@ def _inverted_residual_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor
     return _skip(self, run_chain(self, "bn3", x), shortcut)
 
 
+def _edge_residual_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``_efficientnet_blocks.EdgeResidual.forward`` (EfficientNetV2's fused MBConv)."""
+    x_mid = self.se(self.aa(run_chain(self, "bn1", x)))
+    return _skip(self, run_chain(self, "bn2", x_mid), x)
+
+
 def _efficientnet_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.efficientnet.EfficientNet.forward_features``: stem chain, blocks, head chain."""
     x = run_chain(self, "bn1", x)
@@ -172,6 +178,11 @@ register_block(
         Chain("bn3", conv="conv_pwl"),
     ),
     forward=_inverted_residual_forward,
+)
+register_block(
+    f"{_EFFICIENTNET_BLOCKS}.EdgeResidual",
+    chains=(Chain("bn1", conv="conv_exp"), Chain("bn2", conv="conv_pwl")),
+    forward=_edge_residual_forward,
 )
 register_block(
     "timm.models.efficientnet.EfficientNet",
