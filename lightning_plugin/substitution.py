@@ -1,26 +1,31 @@
 """Rewrite a model in place so its conv → norm → activation chains run as our fused ``lcv::`` ops.
 
-Design: *patched forwards*, not module swaps and not an Inductor graph pass. For each block we recognise,
-the instance gets a ``forward`` (or the one method that holds the chain) that computes exactly what the
-class's forward computes, but calls the fused ops on the tensors of the block's *own* modules. Nothing is
-re-parented or replaced, so parameter names, buffers, state_dict keys, optimizer state and checkpoints are
-those of the eager model; undoing is deleting the instance attribute. It works in eager mode and under
-``torch.compile(fullgraph=True)`` alike (the ops are ``torch.library`` custom ops).
+Design: *patched forwards*, not module swaps and not an Inductor graph pass. Which blocks hold which chains,
+and the forward that runs them, is declared with ``lightning_plugin.blocks`` (``register_block``), next to
+the class where we own it (``vision.models.resnet`` registers its blocks; this module imports nothing from
+``vision``) and by class path for torchvision's and timm's (``lightning_plugin.blocks._torchvision``,
+``_timm``), so neither library is imported for it. On each instance of exactly a registered class
+(subclasses may override forward, so they are left alone) every chain is planned, then the instance gets
+the registered forward as an attribute (``forward``, or the one method that holds the chains, e.g. a
+ResNet's stem); it computes what the class's method computes but runs each chain with the fused op on the
+block's *own* modules. ``nn.Sequential`` (and subclasses that keep its forward, e.g. torchvision's
+``Conv2dNormActivation``, which MobileNet/EfficientNet/RegNet blocks are built from) needs no registration:
+its runs of ``[Conv2d →] norm [→ act]`` are fused generically. A norm is any class registered with
+``register_norm``: ``nn.BatchNorm2d``, ``nn.GroupNorm``, torchvision's and timm's ``LayerNorm2d``, and timm's
+norm-activation classes (``BatchNormAct2d``, ``GroupNormAct``: the norm and its own ``act``; a ``drop`` that
+is not Identity keeps it eager). Nothing is re-parented or replaced, so parameter names, buffers,
+state_dict keys, optimizer state and checkpoints are those of the eager model; undoing is deleting the
+instance attribute. It works in eager mode and under ``torch.compile(fullgraph=True)`` alike (the ops are
+``torch.library`` custom ops).
 
-Recognised (exact classes; subclasses may override forward, so they are left alone):
-
-* torchvision ``BasicBlock``/``Bottleneck`` and ``ResNet`` (stem), and ours in ``vision.models.resnet``;
-* our airbench ``ConvGroup`` (``vision.models.airbench``);
-* ``nn.Sequential`` (and subclasses that keep its forward, e.g. torchvision ``Conv2dNormActivation``):
-  ``Conv2d → BatchNorm2d [→ act]``, ``BatchNorm2d [→ act]``, ``GroupNorm [→ act]``, ``LayerNorm2d [→ act]``.
-
-Each norm in a recognised block runs in one mode, named after the kernel it uses (the names
-``CompileConfig.kernels`` accepts): ``conv_bn_act`` (conv with the BN-statistics epilogue + fused BN apply, or
-BN folded into the conv in eval), ``batch_norm_act`` (eager conv, fused BN), ``group_norm_act``,
-``layer_norm2d_act``, or ``eager`` (the original modules, when that kernel is off, the modules cannot be
-fused, or their dtype has no kernel, e.g. float64 under ``precision="64-true"``; the fit-start table says
-which). Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the fused
-op runs instead of those modules); hooks on the block itself do.
+Each chain runs in one mode, named after the kernel it uses (the names ``CompileConfig.kernels`` accepts):
+``conv_bn_act`` (conv with the BN-statistics epilogue + fused BN apply, or BN folded into the conv in eval),
+``batch_norm_act`` (eager conv, fused BN), ``group_norm_act``, ``layer_norm2d_act``, or ``eager`` (the
+block's own modules, when that kernel is off, the modules cannot be fused, a module between norm and
+activation is not Identity, or their dtype has no kernel, e.g. float64 under ``precision="64-true"``; the
+report says which). A norm-activation module that a block's plan runs is not rewritten on its own as well.
+Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the fused op
+runs instead of those modules); hooks on the block itself do.
 """
 
 from __future__ import annotations
@@ -194,18 +199,27 @@ def _is_plain_sequential(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
-def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[Step, ...]:
+#: Norm layers a report names when they stay eager even where no spec is registered for their class.
+_NORM_BASES = (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)
+
+
+def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[tuple[Step, ...], str]:
     """Steps for a Sequential, fusing ``[Conv2d →] norm [→ act]`` runs (a norm-activation class brings its
-    own activation); the rest are "call" steps, run as they are."""
+    own activation); the rest are "call" steps, run as they are. Also why norms among them stay (partly)
+    eager, as ``name: why; ...``."""
     names = list(seq._modules)
     mods = [seq._modules[n] for n in names]
     steps: list[Step] = []
+    reasons: list[str] = []
     i = 0
     while i < len(names):
         conv = mods[i] if type(mods[i]) is nn.Conv2d and i + 1 < len(mods) else None
         norm_at = i + 1 if conv is not None else i
         norm = mods[norm_at] if norm_at < len(mods) else None
-        mode = _norm_mode(conv, norm, kinds)[0] if norm is not None else "eager"
+        is_norm = norm is not None and (norm_spec(norm) is not None or isinstance(norm, _NORM_BASES))
+        mode, why = _norm_mode(conv, norm, kinds) if is_norm else ("eager", None)
+        if why is not None and (mode != "eager" or conv is None):  # else the norm's own turn says why
+            reasons.append(f"{names[norm_at]}: {why}")
         if mode == "eager" or (conv is not None and mode != "conv_bn_act"):
             steps.append(Step("call", None, names[i]))  # runs as is (a conv not fused: its norm comes next)
             i += 1
@@ -216,6 +230,7 @@ def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[Step, .
         if own is not _MISSING:
             act = activation_name(own)
             if act is None:  # a norm-activation class with an activation no kernel applies
+                reasons.append(f"{names[norm_at]}: {type(own).__name__} cannot be fused")
                 steps.append(Step("call", None, names[i]))
                 i += 1
                 continue
@@ -227,7 +242,7 @@ def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[Step, .
             Step(mode, conv_name, names[norm_at], act or "none", act_child, (), type(norm), own is not _MISSING)
         )
         i = nxt + 1 if act_child is not None else nxt
-    return tuple(steps)
+    return tuple(steps), "; ".join(reasons)
 
 
 def _fused(steps: Iterable[Step]) -> bool:
@@ -311,13 +326,13 @@ def apply_substitutions(
         if spec is not None:
             plan, why = _plan_block(sub, spec, kinds)
             attribute, forward = spec.attribute, spec.forward
-            if why:
-                report.skipped.append((label, why))
         elif _is_plain_sequential(sub):
-            plan, why = _plan_sequential(sub, kinds), ""  # type: ignore[arg-type]
+            plan, why = _plan_sequential(sub, kinds)  # type: ignore[arg-type]
             attribute, forward = "forward", _sequential_forward
         else:
             continue
+        if why:
+            report.skipped.append((label, why))
         if plan is None:
             continue
         covered |= _norms_of(sub, _steps(plan))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +33,15 @@ from torch import nn
 
 from kernels.tolerances import tolerance
 from lightning_plugin import KNOWN_KERNELS
-from lightning_plugin.blocks import class_path, registered_blocks
-from lightning_plugin.substitution import apply_substitutions, planned_norms, undo_substitutions
+from lightning_plugin.blocks import Chain, class_path, register_block, register_norm, registered_blocks, run_chain
+from lightning_plugin.substitution import (
+    SubstitutionReport,
+    apply_substitutions,
+    planned_norms,
+    substituted_modules,
+    undo_substitutions,
+)
+from script_loader import load_script
 from vision.models import airbench, resnet
 
 ALL = frozenset(KNOWN_KERNELS)
@@ -473,3 +482,129 @@ def test_lower_layers_never_import_vision(package):
         assert not any(
             n.startswith("lightning_plugin") for p in (ROOT / package).rglob("*.py") for n in _imports(p)
         ), "kernels import the plugin"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The registration API
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made by a test are dropped afterwards."""
+    from lightning_plugin.blocks import _registry
+
+    monkeypatch.setattr(_registry, "_BLOCKS", dict(_registry._BLOCKS))
+    monkeypatch.setattr(_registry, "_NORMS", dict(_registry._NORMS))
+
+
+class ConvBNSiLUPool(nn.Module):
+    """A user's block: conv → BN → (+ x) → SiLU → pool."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.act = nn.SiLU()
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.act(self.bn(self.conv(x)) + x))
+
+
+def _user_block_chains(self: ConvBNSiLUPool, x: torch.Tensor) -> torch.Tensor:
+    return self.pool(run_chain(self, "bn", x, residual=x))
+
+
+def test_a_block_registered_by_its_owner_is_fused_and_its_subclasses_are_not(scratch_registry, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    register_block(ConvBNSiLUPool, chains=[Chain("bn", conv="conv", act="act")], forward=_user_block_chains)
+    block = ConvBNSiLUPool(4)
+    _randomize_norms(block)
+    fused = copy.deepcopy(block)
+    report = apply_substitutions(fused, ALL)
+    assert [(r.path, r.description) for r in report.replacements] == [
+        ("ConvBNSiLUPool", "ConvBNSiLUPool.forward: conv+bn+silu -> conv_bn_act")
+    ]
+    x = torch.randn(2, 4, 6, 6)
+    atol, rtol = tolerance("norm", torch.float32)
+    _compare(fused, block, x, atol, rtol)
+
+    class Tweaked(ConvBNSiLUPool):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    assert apply_substitutions(Tweaked(4), ALL).replacements == []
+
+
+def test_registration_rejects_what_it_cannot_honour(scratch_registry):
+    with pytest.raises(ValueError, match="vision.models.resnet.BasicBlock is already registered as a block"):
+        register_block(resnet.BasicBlock, chains=[Chain("bn1")], forward=_user_block_chains)
+    with pytest.raises(ValueError, match="at least one chain"):
+        register_block(ConvBNSiLUPool, chains=[], forward=_user_block_chains)
+    with pytest.raises(ValueError, match="two chains share a norm"):
+        register_block(ConvBNSiLUPool, chains=[Chain("bn"), Chain("bn", conv="conv")], forward=_user_block_chains)
+    with pytest.raises(TypeError, match="forward must be callable"):
+        register_block(ConvBNSiLUPool, chains=[Chain("bn")], forward="forward")
+    with pytest.raises(ValueError, match=r"unknown kernel 'conv_bn_act'; expected one of \('batch_norm_act'"):
+        register_norm(nn.InstanceNorm2d, "conv_bn_act")
+    with pytest.raises(ValueError, match="torch.nn.modules.batchnorm.BatchNorm2d is already registered as a norm"):
+        register_norm(nn.BatchNorm2d, "batch_norm_act")
+
+
+def test_a_spec_naming_a_module_the_instance_lacks_leaves_it_as_is(scratch_registry):
+    """What an upstream rename looks like: the block runs its class's forward and the report says why."""
+    register_block(ConvBNSiLUPool, chains=[Chain("norm", conv="conv", act="act")], forward=_user_block_chains)
+    block = ConvBNSiLUPool(4)
+    report = apply_substitutions(block, ALL)
+    assert report.replacements == []
+    assert report.skipped == [("ConvBNSiLUPool", "not rewritten: ConvBNSiLUPool has no 'norm'")]
+
+
+class _Then(nn.Module):
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_a_norm_activation_module_runs_once_in_its_block_and_undoing_the_block_keeps_it_correct(monkeypatch):
+    """timm's InvertedResidual runs its BatchNormAct2d children through its own plan: they are not rewritten
+    a second time. Undoing that one block (what kernel selection does with a block it measured slower)
+    leaves them running their class's forward."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    path = "timm.models._efficientnet_blocks.InvertedResidual"
+    block, x = _build(path, EXAMPLES[path][0])
+    container = _Then(block, _timm_layer("BatchNormAct2d", 4))  # a lone BatchNormAct2d is its own block
+    eager = copy.deepcopy(container).eval()
+    report = apply_substitutions(container, ALL)
+    assert [r.path for r in report.replacements] == ["first", "second"]
+    assert substituted_modules(container) == ["first", "second"]
+    container.eval()
+    atol, rtol = tolerance("norm", torch.float32)
+    torch.testing.assert_close(container(x), eager(x), atol=atol, rtol=rtol)
+    undo_substitutions(container, SubstitutionReport([report.replacements[0]]))
+    assert substituted_modules(container) == ["second"]
+    torch.testing.assert_close(container(x), eager(x), atol=atol, rtol=rtol)
+
+
+def test_builtin_specs_import_neither_timm_nor_vision():
+    """Registering timm's and torchvision's blocks by class path costs nothing where they are unused."""
+    code = (
+        "import sys, lightning_plugin.blocks, lightning_plugin.substitution; "
+        "print(sorted(m for m in ('timm', 'vision') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_coverage_script_counts_timm_efficientnet_b0():
+    """docs/substitution_coverage.py: every norm of timm's efficientnet_b0 is fused (0 before its blocks
+    were registered); the 16 depthwise convs stay out of their BatchNorm, with the reason."""
+    timm = _timm()
+    coverage = load_script("docs/substitution_coverage.py").coverage
+    counts = coverage(timm.create_model("efficientnet_b0", pretrained=False))
+    assert counts["rewritten"] == 17 and counts["norms"] == 49
+    assert dict(counts["fused"]) == {"conv_bn_act": 33, "batch_norm_act": 16} and not counts["eager"]
+    assert dict(counts["conv_eager"]) == {"grouped conv has no Triton kernel": 16}
