@@ -51,7 +51,7 @@ def _general(reason: str) -> str:
 
 
 def _chain_reasons(model: nn.Module, report: SubstitutionReport) -> dict[str, str]:
-    """Each skipped chain's reason by the path of its norm (the report joins a block's as ``norm: why; ...``)."""
+    """Each skipped chain's reason by its norm's path (the report joins a block's as ``norm: why; ...``)."""
     root = type(model).__name__
     reasons = {}
     for label, joined in report.skipped:
@@ -83,7 +83,8 @@ def coverage(model: nn.Module) -> dict[str, object]:
         why = reasons.get(path)
         owner = type(_owner(model, path)).__name__
         if mode == "eager":
-            eager[f"{_general(why)} (in {owner})" if why else f"{type(norm).__name__} in {owner}, not registered"] += 1
+            unseen = f"{type(norm).__name__} in {owner}, not registered"
+            eager[f"{_general(why)} (in {owner})" if why else unseen] += 1
         elif why is not None:  # fused, but its conv runs as is
             conv_eager[_general(why.removeprefix("conv stays eager (").removesuffix(")"))] += 1
     return {
@@ -100,7 +101,8 @@ def _counts(counter: Counter) -> str:
 
 
 def main() -> None:
-    print("| model | modules rewritten | norms fused / all (by kernel) | conv left out of its BN | norms eager |")
+    columns = ["model", "modules rewritten", "norms fused / all (by kernel)", "conv left out of its BN"]
+    print("| " + " | ".join([*columns, "norms eager"]) + " |")
     print("|---|---|---|---|---|")
     for name, build in MODELS.items():
         try:

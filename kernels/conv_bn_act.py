@@ -911,8 +911,9 @@ def _cannot_express(conv: nn.Module, bn: nn.Module | None) -> str | None:
     """Why ``conv`` → ``bn`` is not something ``conv_bn_act`` computes at all, or None.
 
     The conv must be exactly an ``nn.Conv2d`` (a subclass may pad or convolve differently). ``bn`` may be a
-    ``BatchNorm2d`` subclass: the op reads only the tensors and attributes BatchNorm2d defines, and whether a
-    subclass's forward normalises as BatchNorm2d does (timm's ``BatchNormAct2d`` does) is for the caller to know.
+    ``BatchNorm2d`` subclass: the op reads only the tensors and attributes BatchNorm2d defines, and whether
+    a subclass's forward normalises as BatchNorm2d's does (timm's ``BatchNormAct2d`` does) is the caller's
+    knowledge.
     """
     if type(conv) is not nn.Conv2d:
         return f"{type(conv).__name__} is not an nn.Conv2d"

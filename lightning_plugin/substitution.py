@@ -162,7 +162,10 @@ def _plan_chain(block: nn.Module, chain: Chain, kinds: frozenset[str]) -> tuple[
     between = [_find(block, path) for path in chain.between]
     act = activation_name(act_module)
     if own is not _MISSING and chain.act is not None:
-        mode, why = "eager", f"{type(norm).__name__} applies its own activation, and the chain names {chain.act!r}"
+        mode, why = (
+            "eager",
+            f"{type(norm).__name__} applies its own activation; the chain names {chain.act!r}",
+        )
     elif act is None:
         mode, why = "eager", f"{type(act_module).__name__} cannot be fused"
     elif not all(is_identity(m) for m in between):
@@ -238,9 +241,8 @@ def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[tuple[S
             act = activation_name(mods[nxt]) if nxt < len(mods) else None
             act_child = names[nxt] if act is not None else None  # consumed: the fused op applies it
         conv_name = names[i] if conv is not None else None
-        steps.append(
-            Step(mode, conv_name, names[norm_at], act or "none", act_child, (), type(norm), own is not _MISSING)
-        )
+        own_act = own is not _MISSING
+        steps.append(Step(mode, conv_name, names[norm_at], act or "none", act_child, (), type(norm), own_act))
         i = nxt + 1 if act_child is not None else nxt
     return tuple(steps), "; ".join(reasons)
 
@@ -283,6 +285,7 @@ def _sequential_forward(self: nn.Sequential, x: Any) -> Any:
 
 def _steps(plan: Mapping[str, Step] | tuple[Step, ...]) -> Iterable[Step]:
     return plan.values() if isinstance(plan, Mapping) else plan
+
 
 def _patch(module: nn.Module, attribute: str, fn: Callable[..., Any], plan: Any) -> Any:
     """Set the instance attribute; ``functools.partial`` (not a bound method) so the model still pickles
@@ -385,4 +388,3 @@ def planned_norms(module: nn.Module) -> dict[str, str]:
             if step.mode != "call":
                 modes[".".join(p for p in (path, step.norm) if p)] = step.mode
     return modes
-

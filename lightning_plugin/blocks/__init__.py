@@ -3,8 +3,9 @@
 A *norm class* is one whose forward normalises as one of our kernels does (``nn.BatchNorm2d``,
 ``nn.GroupNorm``, a LayerNorm over NCHW channels), possibly followed by its own activation (timm's
 ``BatchNormAct2d``): :func:`register_norm`. A *block class* is one whose forward runs *chains*,
-``[conv →] norm [→ …] [+ residual] [→ act]`` (:class:`Chain`), on its own child modules: :func:`register_block`
-takes the chains and a restated forward that calls :func:`run_chain` where the class's forward runs a chain.
+``[conv →] norm [→ …] [+ residual] [→ act]`` (:class:`Chain`), on its own child modules:
+:func:`register_block` takes the chains and a restated forward that calls :func:`run_chain` where the
+class's forward runs a chain.
 ``lightning_plugin.substitution`` plans each chain of a registered block (a kernel, or eager with the reason)
 and installs the restated forward on the instance; ``nn.Sequential`` needs no registration.
 

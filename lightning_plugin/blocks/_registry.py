@@ -120,7 +120,9 @@ def register_norm(
     another code path), or returns None. ``cls`` may be a dotted path, as in :func:`register_block`.
     """
     if kernel not in NORM_KERNELS:
-        raise ValueError(f"register_norm({class_path(cls)}): unknown kernel {kernel!r}; expected one of {NORM_KERNELS}")
+        raise ValueError(
+            f"register_norm({class_path(cls)}): unknown kernel {kernel!r}; expected one of {NORM_KERNELS}"
+        )
     _add(_NORMS, cls, NormSpec(kernel, act, tuple(identities), check), "norm")
 
 

@@ -1,4 +1,5 @@
-"""Running a planned chain: the fused op on the block's own modules, or those modules as the class calls them."""
+"""Running a planned chain: the fused op on the block's own modules, or those modules as its class calls
+them."""
 
 from __future__ import annotations
 
@@ -95,7 +96,9 @@ def run_step(
     return y if late is None else y + late
 
 
-def _still_fusable(owner: nn.Module, step: Step, conv: nn.Module | None, norm: nn.Module, x: torch.Tensor) -> bool:
+def _still_fusable(
+    owner: nn.Module, step: Step, conv: nn.Module | None, norm: nn.Module, x: torch.Tensor
+) -> bool:
     """Dynamo-constant checks that keep a plan correct if a module was replaced after planning or the input
     has a dtype no kernel takes (the chain then runs its own modules, as planned for an eager step)."""
     if step.mode == "eager":

@@ -21,7 +21,7 @@ _EFFICIENTNET_BLOCKS = "timm.models._efficientnet_blocks"
 
 
 def _fast_norm(norm: nn.Module) -> str | None:
-    """timm's opt-in ``fast_norm`` path normalises in low precision under autocast: not what the kernels do."""
+    """timm's opt-in ``fast_norm`` path normalises in low precision under autocast, unlike the kernels."""
     return "timm fast_norm is on" if getattr(norm, "_fast_norm", False) else None
 
 
@@ -136,10 +136,14 @@ def _convnext_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 register_norm("timm.layers.norm.LayerNorm2d", "layer_norm2d_act", check=_fast_norm)
 register_norm(f"{_NORM_ACT}.BatchNormAct2d", "batch_norm_act", act="act", identities=("drop",))
-register_norm(f"{_NORM_ACT}.GroupNormAct", "group_norm_act", act="act", identities=("drop",), check=_fast_norm)
+register_norm(
+    f"{_NORM_ACT}.GroupNormAct", "group_norm_act", act="act", identities=("drop",), check=_fast_norm
+)
 for _name in ("BatchNormAct2d", "GroupNormAct"):
     register_block(f"{_NORM_ACT}.{_name}", chains=(Chain(""),), forward=_norm_act_forward)
-register_block("timm.layers.conv_bn_act.ConvNormAct", chains=(Chain("bn", conv="conv"),), forward=_conv_norm_act_forward)
+register_block(
+    "timm.layers.conv_bn_act.ConvNormAct", chains=(Chain("bn", conv="conv"),), forward=_conv_norm_act_forward
+)
 register_block(
     f"{_RESNET}.BasicBlock",
     chains=(
@@ -163,7 +167,9 @@ register_block(
     chains=(Chain("bn1", conv="conv1", act="act1"),),
     forward=_resnet_forward_features,
 )
-register_block(f"{_EFFICIENTNET_BLOCKS}.ConvBnAct", chains=(Chain("bn1", conv="conv"),), forward=_conv_bn_act_forward)
+register_block(
+    f"{_EFFICIENTNET_BLOCKS}.ConvBnAct", chains=(Chain("bn1", conv="conv"),), forward=_conv_bn_act_forward
+)
 register_block(
     f"{_EFFICIENTNET_BLOCKS}.DepthwiseSeparableConv",
     chains=(Chain("bn_s2d", conv="conv_s2d"), Chain("bn1", conv="conv_dw"), Chain("bn2", conv="conv_pw")),

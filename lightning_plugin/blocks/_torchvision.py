@@ -1,8 +1,8 @@
 """torchvision's fusable blocks, registered by class path (nothing here imports torchvision).
 
-``Conv2dNormActivation`` and the MobileNet, EfficientNet and RegNet blocks built from it need no spec: it is an
-``nn.Sequential`` that keeps Sequential's forward, which the substitution rewrites generically; the blocks
-around it only call it. Each forward below restates the one of torchvision 0.29 named in its docstring.
+``Conv2dNormActivation`` and the MobileNet, EfficientNet and RegNet blocks built from it need no spec: it is
+an ``nn.Sequential`` that keeps Sequential's forward, which the substitution rewrites generically; the
+blocks around it only call it. Each forward below restates the one of torchvision 0.29 named in its docstring.
 """
 
 from __future__ import annotations

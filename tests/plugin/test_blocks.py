@@ -29,11 +29,19 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from script_loader import load_script
 from torch import nn
 
 from kernels.tolerances import tolerance
 from lightning_plugin import KNOWN_KERNELS
-from lightning_plugin.blocks import Chain, class_path, register_block, register_norm, registered_blocks, run_chain
+from lightning_plugin.blocks import (
+    Chain,
+    class_path,
+    register_block,
+    register_norm,
+    registered_blocks,
+    run_chain,
+)
 from lightning_plugin.substitution import (
     SubstitutionReport,
     apply_substitutions,
@@ -41,7 +49,6 @@ from lightning_plugin.substitution import (
     substituted_modules,
     undo_substitutions,
 )
-from script_loader import load_script
 from vision.models import airbench, resnet
 
 ALL = frozenset(KNOWN_KERNELS)
@@ -63,6 +70,7 @@ class Example:
     #: holds them to a float64 yardstick; eval mode is compared in full.
     train_compares: tuple[str, ...] = ("grad", "buffer")
 
+
 def _timm():
     return pytest.importorskip("timm")
 
@@ -79,7 +87,8 @@ def _tv_resnet() -> nn.Module:
 
 def _timm_block(name: str, *args, **kwargs) -> nn.Module:
     _timm()
-    from timm.models import _efficientnet_blocks, convnext, resnet as timm_resnet
+    from timm.models import _efficientnet_blocks, convnext
+    from timm.models import resnet as timm_resnet
 
     module = {"resnet": timm_resnet, "efficientnet": _efficientnet_blocks, "convnext": convnext}
     family, cls = name.split(".")
@@ -130,7 +139,12 @@ EXAMPLES: dict[str, list[Example]] = {
         Example("downsample", lambda: resnet.Bottleneck(4, 2, stride=2), (2, 4, 7, 7)),
     ],
     "vision.models.resnet.ResNet": [
-        Example("cifar", lambda: resnet.cifar_resnet18(num_classes=3, width=4), (4, 3, 16, 16), train_compares=WHOLE_MODEL),
+        Example(
+            "cifar",
+            lambda: resnet.cifar_resnet18(num_classes=3, width=4),
+            (4, 3, 16, 16),
+            train_compares=WHOLE_MODEL,
+        ),
         Example(
             "imagenet",
             lambda: resnet.ResNet(resnet.BasicBlock, (1, 1, 1, 1), 3, width=4),
@@ -157,11 +171,21 @@ EXAMPLES: dict[str, list[Example]] = {
             (2, 4, 7, 7),
         ),
     ],
-    "torchvision.models.resnet.ResNet": [Example("bottleneck_narrow", _tv_resnet, MODEL_INPUT, train_compares=WHOLE_MODEL)],
+    "torchvision.models.resnet.ResNet": [
+        Example("bottleneck_narrow", _tv_resnet, MODEL_INPUT, train_compares=WHOLE_MODEL)
+    ],
     "timm.layers.norm_act.BatchNormAct2d": [
         Example("relu", lambda: _timm_layer("BatchNormAct2d", 4), (2, 4, 3, 5)),
-        Example("silu_cumulative", lambda: _timm_layer("BatchNormAct2d", 4, momentum=None, act_layer=nn.SiLU), (1, 4, 3, 3)),
-        Example("untracked_no_act", lambda: _timm_layer("BatchNormAct2d", 4, track_running_stats=False, apply_act=False), (3, 4, 2, 2)),
+        Example(
+            "silu_cumulative",
+            lambda: _timm_layer("BatchNormAct2d", 4, momentum=None, act_layer=nn.SiLU),
+            (1, 4, 3, 3),
+        ),
+        Example(
+            "untracked_no_act",
+            lambda: _timm_layer("BatchNormAct2d", 4, track_running_stats=False, apply_act=False),
+            (3, 4, 2, 2),
+        ),
         Example(
             "gelu_tanh",
             lambda: _timm_layer("BatchNormAct2d", 4, act_layer="gelu_tanh"),
@@ -183,8 +207,12 @@ EXAMPLES: dict[str, list[Example]] = {
     ],
     "timm.layers.conv_bn_act.ConvNormAct": [
         Example("relu", lambda: _timm_layer("ConvNormAct", 3, 4, kernel_size=3), (2, 3, 6, 5)),
-        Example("aa_stride2", lambda: _timm_layer("ConvNormAct", 3, 4, 3, stride=2, aa_layer="avg"), (2, 3, 8, 8)),
-        Example("depthwise", lambda: _timm_layer("ConvNormAct", 4, 4, 3, groups=4), (2, 4, 5, 5), "grouped conv"),
+        Example(
+            "aa_stride2", lambda: _timm_layer("ConvNormAct", 3, 4, 3, stride=2, aa_layer="avg"), (2, 3, 8, 8)
+        ),
+        Example(
+            "depthwise", lambda: _timm_layer("ConvNormAct", 4, 4, 3, groups=4), (2, 4, 5, 5), "grouped conv"
+        ),
         Example(
             "no_norm",
             lambda: _timm_layer("ConvNormAct", 3, 4, 1, apply_norm=False),
@@ -223,9 +251,13 @@ EXAMPLES: dict[str, list[Example]] = {
     ],
     "timm.models.resnet.ResNet": [
         Example(
-            "deep_stem", lambda: _timm_model("test_resnet"), MODEL_INPUT, DEEP_STEM, train_compares=WHOLE_MODEL
+            "deep_stem",
+            lambda: _timm_model("test_resnet"),
+            MODEL_INPUT,
+            DEEP_STEM,
+            train_compares=WHOLE_MODEL,
         ),
-        # Running statistics also differ under checkpointing: see test_running_statistics_under_grad_checkpointing.
+        # Checkpointing also changes running statistics: test_running_statistics_under_grad_checkpointing.
         Example(
             "grad_checkpointing",
             lambda: _timm_model("test_resnet", True),
@@ -235,14 +267,23 @@ EXAMPLES: dict[str, list[Example]] = {
         ),
     ],
     "timm.models._efficientnet_blocks.ConvBnAct": [
-        Example("skip", lambda: _timm_block("efficientnet.ConvBnAct", 4, 4, 3, skip=True, act_layer=nn.SiLU), (2, 4, 5, 5)),
+        Example(
+            "skip",
+            lambda: _timm_block("efficientnet.ConvBnAct", 4, 4, 3, skip=True, act_layer=nn.SiLU),
+            (2, 4, 5, 5),
+        ),
         Example("stride2", lambda: _timm_block("efficientnet.ConvBnAct", 4, 6, 3, stride=2), (2, 4, 7, 7)),
     ],
     "timm.models._efficientnet_blocks.DepthwiseSeparableConv": [
         Example(
             "se_skip",
             lambda: _timm_block(
-                "efficientnet.DepthwiseSeparableConv", 4, 4, se_layer=_se, act_layer=nn.SiLU, drop_path_rate=0.2
+                "efficientnet.DepthwiseSeparableConv",
+                4,
+                4,
+                se_layer=_se,
+                act_layer=nn.SiLU,
+                drop_path_rate=0.2,
             ),
             (2, 4, 5, 5),
             "grouped conv",
@@ -280,7 +321,12 @@ EXAMPLES: dict[str, list[Example]] = {
         ),
     ],
     "timm.models.efficientnet.EfficientNet": [
-        Example("test_efficientnet", lambda: _timm_model("test_efficientnet"), MODEL_INPUT, train_compares=WHOLE_MODEL),
+        Example(
+            "test_efficientnet",
+            lambda: _timm_model("test_efficientnet"),
+            MODEL_INPUT,
+            train_compares=WHOLE_MODEL,
+        ),
     ],
     "timm.models.mobilenetv3.MobileNetV3": [
         Example(
@@ -299,7 +345,11 @@ EXAMPLES: dict[str, list[Example]] = {
         ),
     ],
     "timm.models.convnext.ConvNeXtBlock": [
-        Example("conv_mlp", lambda: _timm_block("convnext.ConvNeXtBlock", 8, conv_mlp=True, ls_init_value=0.5), (2, 8, 5, 5)),
+        Example(
+            "conv_mlp",
+            lambda: _timm_block("convnext.ConvNeXtBlock", 8, conv_mlp=True, ls_init_value=0.5),
+            (2, 8, 5, 5),
+        ),
         Example(
             "channels_last_mlp_downsample",
             lambda: _timm_block("convnext.ConvNeXtBlock", 4, 8, stride=2, drop_path=0.2, ls_init_value=None),
@@ -339,7 +389,9 @@ def _build(path: str, example: Example) -> tuple[nn.Module, torch.Tensor]:
     return block, torch.randn(example.input_shape, generator=torch.Generator().manual_seed(1))
 
 
-def _run(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _run(
+    module: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Output, gradients (of the input and the parameters) and buffers after one forward/backward, from a
     fixed seed (so stochastic depth and DropBlock draw the same masks on both sides)."""
     torch.manual_seed(1234)
@@ -451,8 +503,8 @@ def test_the_check_catches_a_restated_forward_that_differs(monkeypatch):
 
 @pytest.mark.parametrize("build", [torchvision.models.mobilenet_v2, torchvision.models.efficientnet_b0])
 def test_torchvision_sequential_blocks_need_no_spec(build):
-    """MobileNet/EfficientNet blocks hold their chains in ``Conv2dNormActivation`` and plain Sequentials, which
-    the substitution rewrites generically: every BatchNorm of those models runs fused."""
+    """MobileNet/EfficientNet blocks hold their chains in ``Conv2dNormActivation`` and plain Sequentials,
+    which the substitution rewrites generically: every BatchNorm of those models runs fused."""
     model = build(num_classes=3)
     apply_substitutions(model, ALL)
     norms = {path for path, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
@@ -474,7 +526,9 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", ["lightning_plugin", "kernels"])
 def test_lower_layers_never_import_vision(package):
     offenders = {
-        str(path.relative_to(ROOT)): sorted(n for n in _imports(path) if n == "vision" or n.startswith("vision."))
+        str(path.relative_to(ROOT)): sorted(
+            n for n in _imports(path) if n == "vision" or n.startswith("vision.")
+        )
         for path in sorted((ROOT / package).rglob("*.py"))
     }
     assert not {k: v for k, v in offenders.items() if v}, "a lower layer imports vision"
@@ -542,12 +596,16 @@ def test_registration_rejects_what_it_cannot_honour(scratch_registry):
     with pytest.raises(ValueError, match="at least one chain"):
         register_block(ConvBNSiLUPool, chains=[], forward=_user_block_chains)
     with pytest.raises(ValueError, match="two chains share a norm"):
-        register_block(ConvBNSiLUPool, chains=[Chain("bn"), Chain("bn", conv="conv")], forward=_user_block_chains)
+        register_block(
+            ConvBNSiLUPool, chains=[Chain("bn"), Chain("bn", conv="conv")], forward=_user_block_chains
+        )
     with pytest.raises(TypeError, match="forward must be callable"):
         register_block(ConvBNSiLUPool, chains=[Chain("bn")], forward="forward")
     with pytest.raises(ValueError, match=r"unknown kernel 'conv_bn_act'; expected one of \('batch_norm_act'"):
         register_norm(nn.InstanceNorm2d, "conv_bn_act")
-    with pytest.raises(ValueError, match="torch.nn.modules.batchnorm.BatchNorm2d is already registered as a norm"):
+    with pytest.raises(
+        ValueError, match="torch.nn.modules.batchnorm.BatchNorm2d is already registered as a norm"
+    ):
         register_norm(nn.BatchNorm2d, "batch_norm_act")
 
 

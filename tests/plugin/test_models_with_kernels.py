@@ -229,7 +229,7 @@ MODELS: dict[str, ModelCase] = {
     "densenet121": ModelCase(tv_densenet121_small, {"conv_bn_act": 1, "batch_norm_act": 4}),
     # stem, 3 downsamples and the classifier's LayerNorm2d; CNBlock's LayerNorm is channels-last: eager
     "convnext_tiny": ModelCase(tv_convnext_tiny_small, {"layer_norm2d_act": 5}),
-    # stem (ResNet.forward_features) + 4 BasicBlocks + 3 downsample Sequentials (lightning_plugin.blocks._timm)
+    # stem (ResNet.forward_features) + 4 BasicBlocks + 3 downsample Sequentials (specs: blocks/_timm.py)
     "timm_resnet18": ModelCase(timm_resnet18, {"conv_bn_act": 8}),
     # stem and head (EfficientNet.forward_features) + 5 blocks; the 2 depthwise convs' BNs: batch_norm_act
     "timm_efficientnet": ModelCase(timm_efficientnet, {"conv_bn_act": 6, "batch_norm_act": 2}),
