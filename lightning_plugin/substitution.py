@@ -58,7 +58,8 @@ _MISSING = object()
 
 @dataclass
 class Replacement:
-    """One rewritten module: where, which kinds, what changed, and how to undo it."""
+    """One rewritten module: where, which kinds (the kernels its chains run, joined by ``+``; ``"eager"``
+    under ``all_eager``), what changed, and how to undo it."""
 
     path: str
     kind: str
@@ -70,8 +71,8 @@ class Replacement:
 
 @dataclass
 class SubstitutionReport:
-    """What :func:`apply_substitutions` did: rewritten modules, and chains of recognised blocks that stay
-    eager, with the reason (``skipped``: ``(path, reason)``)."""
+    """What :func:`apply_substitutions` did: rewritten modules, and the chains of registered blocks and
+    Sequentials that stay (partly) eager, with the reasons (``skipped``: ``(path, "norm: reason; ...")``)."""
 
     replacements: list[Replacement]
     skipped: list[tuple[str, str]] = field(default_factory=list)
