@@ -108,14 +108,10 @@ class _SpecMismatch(Exception):
 
 def _find(block: nn.Module, path: str) -> Any:
     """The module at ``path`` (None where the block sets it to None); raises when an attribute is missing."""
-    target: Any = block
-    for name in path.split(".") if path else ():
-        if not hasattr(target, name):
-            raise _SpecMismatch(f"{type(block).__name__} has no {path!r}")
-        target = getattr(target, name)
-        if target is None:
-            return None
-    return target
+    try:
+        return submodule(block, path)
+    except AttributeError:
+        raise _SpecMismatch(f"{type(block).__name__} has no {path!r}") from None
 
 
 def _norm_mode(conv: nn.Module | None, norm: nn.Module, kinds: frozenset[str]) -> tuple[str, str | None]:
