@@ -666,3 +666,22 @@ def test_coverage_script_counts_timm_efficientnet_b0():
     assert counts["rewritten"] == 17 and counts["norms"] == 49
     assert dict(counts["fused"]) == {"conv_bn_act": 33, "batch_norm_act": 16} and not counts["eager"]
     assert dict(counts["conv_eager"]) == {"grouped conv has no Triton kernel": 16}
+
+
+@pytest.mark.parametrize(
+    ("path", "index"),
+    [
+        ("timm.layers.conv_bn_act.ConvNormAct", 0),
+        ("timm.layers.norm_act.BatchNormAct2d", 1),
+        ("timm.layers.norm_act.GroupNormAct", 1),
+    ],
+    ids=["ConvNormAct", "BatchNormAct2d", "GroupNormAct"],
+)
+def test_timm_norm_activation_classes_run_the_triton_kernels(path, index):
+    """The kernels read a BatchNorm2d/GroupNorm subclass's tensors as their base class's: in the Triton
+    interpreter (TRITON_INTERPRET=1 from conftest without a GPU), tiny shapes."""
+    block, x = _build(path, EXAMPLES[path][index])
+    fused = copy.deepcopy(block)
+    assert apply_substitutions(fused, ALL).replacements
+    atol, rtol = tolerance("norm", torch.float32)
+    _compare(fused, block, x, atol, rtol)
