@@ -908,10 +908,16 @@ def conv_padding(conv: nn.Conv2d) -> list[int] | None:
 
 
 def _cannot_express(conv: nn.Module, bn: nn.Module | None) -> str | None:
-    """Why ``conv`` → ``bn`` is not something ``conv_bn_act`` computes at all, or None."""
+    """Why ``conv`` → ``bn`` is not something ``conv_bn_act`` computes at all, or None.
+
+    The conv must be exactly an ``nn.Conv2d`` (a subclass may pad or convolve differently). ``bn`` may be a
+    ``BatchNorm2d`` subclass: the op reads only the tensors and attributes BatchNorm2d defines, and whether
+    a subclass's forward normalises as BatchNorm2d's does (timm's ``BatchNormAct2d`` does) is the caller's
+    knowledge.
+    """
     if type(conv) is not nn.Conv2d:
         return f"{type(conv).__name__} is not an nn.Conv2d"
-    if bn is not None and type(bn) is not nn.BatchNorm2d:
+    if bn is not None and not isinstance(bn, nn.BatchNorm2d):
         return f"{type(bn).__name__} is not an nn.BatchNorm2d"
     if conv.padding_mode != "zeros":
         return f"padding_mode={conv.padding_mode!r} (only 'zeros' is fused)"

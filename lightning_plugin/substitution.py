@@ -1,53 +1,65 @@
 """Rewrite a model in place so its conv → norm → activation chains run as our fused ``lcv::`` ops.
 
-Design: *patched forwards*, not module swaps and not an Inductor graph pass. For each block we recognise,
-the instance gets a ``forward`` (or the one method that holds the chain) that computes exactly what the
-class's forward computes, but calls the fused ops on the tensors of the block's *own* modules. Nothing is
-re-parented or replaced, so parameter names, buffers, state_dict keys, optimizer state and checkpoints are
-those of the eager model; undoing is deleting the instance attribute. It works in eager mode and under
-``torch.compile(fullgraph=True)`` alike (the ops are ``torch.library`` custom ops).
+Design: *patched forwards*, not module swaps and not an Inductor graph pass. Which blocks hold which chains,
+and the forward that runs them, is declared with ``lightning_plugin.blocks`` (``register_block``), next to
+the class where we own it (``vision.models.resnet`` registers its blocks; this module imports nothing from
+``vision``) and by class path for torchvision's and timm's (``lightning_plugin.blocks._torchvision``,
+``_timm``), so neither library is imported for it. On each instance of exactly a registered class
+(subclasses may override forward, so they are left alone) every chain is planned, then the instance gets
+the registered forward as an attribute (``forward``, or the one method that holds the chains, e.g. a
+ResNet's stem); it computes what the class's method computes but runs each chain with the fused op on the
+block's *own* modules. ``nn.Sequential`` (and subclasses that keep its forward, e.g. torchvision's
+``Conv2dNormActivation``, which MobileNet/EfficientNet/RegNet blocks are built from) needs no registration:
+its runs of ``[Conv2d →] norm [→ act]`` are fused generically. A norm is any class registered with
+``register_norm``: ``nn.BatchNorm2d``, ``nn.GroupNorm``, torchvision's and timm's ``LayerNorm2d``, and timm's
+norm-activation classes (``BatchNormAct2d``, ``GroupNormAct``: the norm and its own ``act``; a ``drop`` that
+is not Identity keeps it eager). Nothing is re-parented or replaced, so parameter names, buffers,
+state_dict keys, optimizer state and checkpoints are those of the eager model; undoing is deleting the
+instance attribute. It works in eager mode and under ``torch.compile(fullgraph=True)`` alike (the ops are
+``torch.library`` custom ops).
 
-Recognised (exact classes; subclasses may override forward, so they are left alone):
-
-* torchvision ``BasicBlock``/``Bottleneck`` and ``ResNet`` (stem), and ours in ``vision.models.resnet``;
-* our airbench ``ConvGroup`` (``vision.models.airbench``);
-* ``nn.Sequential`` (and subclasses that keep its forward, e.g. torchvision ``Conv2dNormActivation``):
-  ``Conv2d → BatchNorm2d [→ act]``, ``BatchNorm2d [→ act]``, ``GroupNorm [→ act]``, ``LayerNorm2d [→ act]``.
-
-Each norm in a recognised block runs in one mode, named after the kernel it uses (the names
-``CompileConfig.kernels`` accepts): ``conv_bn_act`` (conv with the BN-statistics epilogue + fused BN apply, or
-BN folded into the conv in eval), ``batch_norm_act`` (eager conv, fused BN), ``group_norm_act``,
-``layer_norm2d_act``, or ``eager`` (the original modules, when that kernel is off, the modules cannot be
-fused, or their dtype has no kernel, e.g. float64 under ``precision="64-true"``; the fit-start table says
-which). Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the fused
-op runs instead of those modules); hooks on the block itself do.
+Each chain runs in one mode, named after the kernel it uses (the names ``CompileConfig.kernels`` accepts):
+``conv_bn_act`` (conv with the BN-statistics epilogue + fused BN apply, or BN folded into the conv in eval),
+``batch_norm_act`` (eager conv, fused BN), ``group_norm_act``, ``layer_norm2d_act``, or ``eager`` (the
+block's own modules, when that kernel is off, the modules cannot be fused, a module between norm and
+activation is not Identity, or their dtype has no kernel, e.g. float64 under ``precision="64-true"``; the
+report says which). A norm-activation module that a block's plan runs is not rewritten on its own as well.
+Forward hooks registered on the norm or activation modules of a rewritten block do not fire (the fused op
+runs instead of those modules); hooks on the block itself do.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
+from kernels._common import activation_name, unsupported_dtype_reason
+from kernels.conv_bn_act import why_conv_bn_act_not_fusable
+from lightning_plugin.blocks import PLAN_ATTR, BlockSpec, Chain, Step, block_spec, norm_spec
+from lightning_plugin.blocks._run import is_identity, run_step, submodule
 from lightning_plugin.config import KNOWN_KERNELS
 
-#: Instance attribute holding a rewritten module's plan (plain tuples/dicts: deep-copies and pickles).
-PLAN_ATTR = "_lcv_plan"
+__all__ = [
+    "PLAN_ATTR",
+    "Replacement",
+    "SubstitutionReport",
+    "apply_substitutions",
+    "planned_norms",
+    "substituted_modules",
+    "undo_substitutions",
+]
 
 _MISSING = object()
-
-# A step: (mode, conv child or None, norm child, fused activation name, activation child or None).
-# mode "call" runs child ``norm`` as is (an untouched member of a rewritten Sequential).
-Step = tuple[str, "str | None", str, str, "str | None"]
 
 
 @dataclass
 class Replacement:
-    """One rewritten module: where, which kinds, what changed, and how to undo it."""
+    """One rewritten module: where, which kinds (the kernels its chains run, joined by ``+``; ``"eager"``
+    under ``all_eager``), what changed, and how to undo it."""
 
     path: str
     kind: str
@@ -59,8 +71,8 @@ class Replacement:
 
 @dataclass
 class SubstitutionReport:
-    """What :func:`apply_substitutions` did: rewritten modules, and chains of recognised blocks that stay
-    eager, with the reason (``skipped``: ``(path, reason)``)."""
+    """What :func:`apply_substitutions` did: rewritten modules, and the chains of registered blocks and
+    Sequentials that stay (partly) eager, with the reasons (``skipped``: ``(path, "norm: reason; ...")``)."""
 
     replacements: list[Replacement]
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -87,214 +99,99 @@ class SubstitutionReport:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Running a plan
+# Planning: the mode of each chain, or why it stays eager
 
 
-def _run_step(
-    owner: nn.Module, step: Step, x: torch.Tensor, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    from kernels.batch_norm_act import batch_norm_act_forward
-    from kernels.conv_bn_act import conv_bn_act_forward
-    from kernels.group_norm_act import group_norm_act_forward
-    from kernels.layer_norm2d_act import layer_norm2d_act_forward
-
-    mode, conv_name, norm_name, act, act_name = step
-    mods = owner._modules
-    if mode == "call":
-        return mods[norm_name](x)
-    if not _still_fusable(mode, mods[norm_name], mods[conv_name] if conv_name is not None else None, x):
-        # A module swapped after planning (e.g. for SyncBatchNorm), or an input dtype no kernel takes.
-        mode = "eager"
-    if mode == "conv_bn_act":
-        return conv_bn_act_forward(mods[conv_name], mods[norm_name], x, act, residual)
-    if conv_name is not None:
-        x = mods[conv_name](x)
-    norm = mods[norm_name]
-    if mode == "batch_norm_act":
-        return batch_norm_act_forward(norm, x, act, residual)
-    if mode == "group_norm_act":
-        return group_norm_act_forward(norm, x, act, residual)
-    if mode == "layer_norm2d_act":
-        return layer_norm2d_act_forward(norm, x, act, residual)
-    x = norm(x)  # "eager": the block's own modules, exactly as its class's forward calls them
-    if residual is not None:
-        x = x + residual
-    return mods[act_name](x) if act_name is not None else x
+class _SpecMismatch(Exception):
+    """A registered block's instance lacks a module its spec names (another version of the library?)."""
 
 
-def _still_fusable(mode: str, norm: nn.Module, conv: nn.Module | None, x: torch.Tensor) -> bool:
-    """Dynamo-constant checks that keep a plan correct if a module was replaced after planning or the input
-    has a dtype no kernel takes (the block then runs its own modules, as planned for an eager step)."""
-    from kernels._common import SUPPORTED_DTYPES
-
-    if mode != "eager" and x.dtype not in SUPPORTED_DTYPES and not torch.is_autocast_enabled(x.device.type):
-        return False
-    if mode == "conv_bn_act":
-        return type(norm) is nn.BatchNorm2d and type(conv) is nn.Conv2d
-    if mode == "batch_norm_act":
-        return type(norm) is nn.BatchNorm2d
-    if mode == "group_norm_act":
-        return type(norm) is nn.GroupNorm
-    if mode == "layer_norm2d_act":
-        return _is_layernorm2d(norm)
-    return True
-
-
-def _chain(
-    block: nn.Module, x: torch.Tensor, norm_name: str, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    return _run_step(block, getattr(block, PLAN_ATTR)[norm_name], x, residual)
-
-
-def _sequential_forward(self: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    for step in getattr(self, PLAN_ATTR):
-        x = _run_step(self, step, x)
-    return x
-
-
-def _basic_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    identity = x if self.downsample is None else self.downsample(x)
-    out = _chain(self, x, "bn1")
-    return _chain(self, out, "bn2", identity)
-
-
-def _bottleneck_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    identity = x if self.downsample is None else self.downsample(x)
-    out = _chain(self, x, "bn1")
-    out = _chain(self, out, "bn2")
-    return _chain(self, out, "bn3", identity)
-
-
-def _torchvision_resnet_forward_impl(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    x = self.maxpool(_chain(self, x, "bn1"))
-    x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-    return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-def _vision_resnet_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    x = self.maxpool(_chain(self, x, "bn1"))
-    x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-    return torch.flatten(self.avgpool(x), 1)
-
-
-def _airbench_conv_group_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    x = _chain(self, self.pool(self.conv1(x)), "norm1")
-    return _chain(self, x, "norm2")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Recognising blocks
-
-
-@dataclass(frozen=True)
-class _BlockSpec:
-    """A block class we know the forward of: the method to patch, its replacement, and its chains
-    ``(conv child or None, norm child, activation child)``, in the order the forward runs them."""
-
-    attribute: str
-    forward: Callable[..., torch.Tensor]
-    chains: tuple[tuple[str | None, str, str], ...]
-
-
-def _block_specs() -> dict[type[nn.Module], _BlockSpec]:
-    specs: dict[type[nn.Module], _BlockSpec] = {}
-    basic = _BlockSpec("forward", _basic_block_forward, (("conv1", "bn1", "relu"), ("conv2", "bn2", "relu")))
-    bottleneck = _BlockSpec(
-        "forward",
-        _bottleneck_forward,
-        (("conv1", "bn1", "relu"), ("conv2", "bn2", "relu"), ("conv3", "bn3", "relu")),
-    )
+def _find(block: nn.Module, path: str) -> Any:
+    """The module at ``path`` (None where the block sets it to None); raises when an attribute is missing."""
     try:
-        from torchvision.models import resnet as tv_resnet
-
-        specs[tv_resnet.BasicBlock] = basic
-        specs[tv_resnet.Bottleneck] = bottleneck
-        specs[tv_resnet.ResNet] = _BlockSpec(
-            "_forward_impl", _torchvision_resnet_forward_impl, (("conv1", "bn1", "relu"),)
-        )
-    except ImportError:  # pragma: no cover - torchvision is a dependency
-        pass
-    from vision.models import airbench, resnet
-
-    specs[resnet.BasicBlock] = basic
-    specs[resnet.Bottleneck] = bottleneck
-    specs[resnet.ResNet] = _BlockSpec(
-        "forward_features", _vision_resnet_forward_features, (("conv1", "bn1", "relu"),)
-    )
-    specs[airbench.ConvGroup] = _BlockSpec(
-        "forward", _airbench_conv_group_forward, ((None, "norm1", "act"), ("conv2", "norm2", "act"))
-    )
-    return specs
-
-
-#: LayerNorm-over-channels classes (``nn.LayerNorm`` subclasses whose forward permutes NCHW → NHWC → NCHW).
-_LAYERNORM2D_CLASSES = ("torchvision.models.convnext.LayerNorm2d", "timm.layers.norm.LayerNorm2d")
-
-
-def _is_layernorm2d(module: nn.Module) -> bool:
-    cls = type(module)
-    return (
-        isinstance(module, nn.LayerNorm)
-        and f"{cls.__module__}.{cls.__qualname__}" in _LAYERNORM2D_CLASSES
-        and len(module.normalized_shape) == 1
-    )
+        return submodule(block, path)
+    except AttributeError:
+        raise _SpecMismatch(f"{type(block).__name__} has no {path!r}") from None
 
 
 def _norm_mode(conv: nn.Module | None, norm: nn.Module, kinds: frozenset[str]) -> tuple[str, str | None]:
-    """The mode (kernel name or "eager") a norm runs in, and why it stays eager (None when it does not)."""
-    from kernels._common import unsupported_dtype_reason
-    from kernels.conv_bn_act import why_conv_bn_act_not_fusable
-
-    reason = None
-    if type(norm) is nn.BatchNorm2d:
-        if conv is not None and "conv_bn_act" in kinds:
-            reason = why_conv_bn_act_not_fusable(conv, norm)
-            if reason is None:
-                return "conv_bn_act", None
-        mode = "batch_norm_act"
-    elif type(norm) is nn.GroupNorm:
-        mode = "group_norm_act"
-    elif _is_layernorm2d(norm):
-        mode = "layer_norm2d_act"
-    else:
+    """The mode (kernel name or "eager") ``[conv →] norm`` runs in, and why it stays (partly) eager."""
+    spec = norm_spec(norm)
+    if spec is None:
         return "eager", f"{type(norm).__name__} has no fused kernel"
-    if mode not in kinds:
-        return "eager", reason or f"{mode} is not enabled"
+    why = spec.check(norm) if spec.check is not None else None
+    if why is None and spec.kernel == "layer_norm2d_act" and len(norm.normalized_shape) != 1:
+        why = f"normalized_shape {tuple(norm.normalized_shape)} is not one channel dimension"
+    for name in spec.identities:
+        if why is None and not is_identity(getattr(norm, name, None)):
+            why = f"{type(norm).__name__}.{name} is {type(getattr(norm, name)).__name__}, not Identity"
+    if why is not None:
+        return "eager", why
+    reason = None
+    if spec.kernel == "batch_norm_act" and conv is not None and "conv_bn_act" in kinds:
+        reason = why_conv_bn_act_not_fusable(conv, norm)
+        if reason is None:
+            return "conv_bn_act", None
+    if spec.kernel not in kinds:
+        return "eager", reason or f"{spec.kernel} is not enabled"
     dtype_reason = unsupported_dtype_reason(norm)
     if dtype_reason is not None:
         return "eager", dtype_reason
-    return mode, (None if reason is None else f"conv stays eager ({reason})")
+    return spec.kernel, (None if reason is None else f"conv stays eager ({reason})")
 
 
-def _act_step_name(module: nn.Module | None) -> str | None:
-    from kernels._common import activation_name
+def _own_act(norm: nn.Module) -> nn.Module | None | object:
+    """A norm-activation class's own activation module, or ``_MISSING`` for a plain norm."""
+    spec = norm_spec(norm)
+    return _MISSING if spec is None or spec.act is None else getattr(norm, spec.act, None)
 
-    return activation_name(module)
+
+def _plan_chain(block: nn.Module, chain: Chain, kinds: frozenset[str]) -> tuple[Step | None, str | None]:
+    """The chain's step and why it stays (partly) eager; no step when its norm is None on this instance."""
+    norm = _find(block, chain.norm)
+    if norm is None:
+        return None, None
+    conv = _find(block, chain.conv) if chain.conv is not None else None
+    if chain.conv is not None and conv is None:
+        raise _SpecMismatch(f"{type(block).__name__}.{chain.conv} is None")
+    own = _own_act(norm)
+    act_module = own if own is not _MISSING else (_find(block, chain.act) if chain.act is not None else None)
+    between = [_find(block, path) for path in chain.between]
+    act = activation_name(act_module)
+    if own is not _MISSING and chain.act is not None:
+        mode, why = (
+            "eager",
+            f"{type(norm).__name__} applies its own activation; the chain names {chain.act!r}",
+        )
+    elif act is None:
+        mode, why = "eager", f"{type(act_module).__name__} cannot be fused"
+    elif not all(is_identity(m) for m in between):
+        path, module = next((p, m) for p, m in zip(chain.between, between, strict=True) if not is_identity(m))
+        mode, why = "eager", f"{path} is {type(module).__name__}, not Identity"
+    else:
+        mode, why = _norm_mode(conv, norm, kinds)
+    step = Step(
+        mode, chain.conv, chain.norm, act or "none", chain.act, chain.between, type(norm), own is not _MISSING
+    )
+    return step, why
 
 
 def _plan_block(
-    block: nn.Module, spec: _BlockSpec, kinds: frozenset[str]
+    block: nn.Module, spec: BlockSpec, kinds: frozenset[str]
 ) -> tuple[dict[str, Step] | None, str]:
-    """Per-norm steps for a known block, or (None, reason) when nothing can be fused."""
-    mods = block._modules
+    """A step per chain present on ``block`` and the reasons some stay eager; None when ``block`` does not
+    have what its spec names."""
     plan: dict[str, Step] = {}
     reasons = []
-    for conv_name, norm_name, act_attr in spec.chains:
-        conv = mods.get(conv_name) if conv_name is not None else None
-        norm, act_mod = mods.get(norm_name), mods.get(act_attr)
-        if norm is None or act_mod is None or (conv_name is not None and conv is None):
-            return None, f"missing submodule for chain {conv_name}/{norm_name}/{act_attr}"
-        act = _act_step_name(act_mod)
-        mode, why = (
-            _norm_mode(conv, norm, kinds)
-            if act is not None
-            else ("eager", f"{type(act_mod).__name__} cannot be fused")
-        )
+    for chain in spec.chains:
+        try:
+            step, why = _plan_chain(block, chain, kinds)
+        except _SpecMismatch as mismatch:
+            return None, f"not rewritten: {mismatch}"
         if why is not None:
-            reasons.append(f"{norm_name}: {why}")
-        plan[norm_name] = (mode, conv_name, norm_name, act or "none", act_attr)
-    if all(step[0] == "eager" for step in plan.values()):
-        return None, "; ".join(reasons) or "nothing to fuse"
+            reasons.append(f"{chain.norm or 'self'}: {why}")
+        if step is not None:
+            plan[chain.norm] = step
     return plan, "; ".join(reasons)
 
 
@@ -302,50 +199,89 @@ def _is_plain_sequential(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
-def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[Step, ...] | None:
-    """Steps for a Sequential, fusing ``[Conv2d →] norm [→ act]`` runs; None when nothing fuses."""
+#: Norm layers a report names when they stay eager even where no spec is registered for their class.
+_NORM_BASES = (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)
+
+
+def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[tuple[Step, ...], str]:
+    """Steps for a Sequential, fusing ``[Conv2d →] norm [→ act]`` runs (a norm-activation class brings its
+    own activation); the rest are "call" steps, run as they are. Also why norms among them stay (partly)
+    eager, as ``name: why; ...``."""
     names = list(seq._modules)
     mods = [seq._modules[n] for n in names]
     steps: list[Step] = []
+    reasons: list[str] = []
     i = 0
     while i < len(names):
         conv = mods[i] if type(mods[i]) is nn.Conv2d and i + 1 < len(mods) else None
         norm_at = i + 1 if conv is not None else i
-        mode, _ = _norm_mode(conv, mods[norm_at], kinds) if norm_at < len(mods) else ("eager", None)
-        if conv is not None and mode != "conv_bn_act":
-            steps.append(("call", None, names[i], "none", None))  # the conv runs as is; the norm is next
+        norm = mods[norm_at] if norm_at < len(mods) else None
+        is_norm = norm is not None and (norm_spec(norm) is not None or isinstance(norm, _NORM_BASES))
+        mode, why = _norm_mode(conv, norm, kinds) if is_norm else ("eager", None)
+        if why is not None and (mode != "eager" or conv is None):  # else the norm's own turn says why
+            reasons.append(f"{names[norm_at]}: {why}")
+        if mode == "eager" or (conv is not None and mode != "conv_bn_act"):
+            steps.append(Step("call", None, names[i]))  # runs as is (a conv not fused: its norm comes next)
             i += 1
             continue
-        if mode == "eager":
-            steps.append(("call", None, names[i], "none", None))
-            i += 1
-            continue
+        own = _own_act(norm)
         nxt = norm_at + 1
-        act = _act_step_name(mods[nxt]) if nxt < len(mods) else None
-        act_child = names[nxt] if act is not None else None  # consumed: the fused op applies it
-        steps.append((mode, names[i] if conv is not None else None, names[norm_at], act or "none", act_child))
-        i = nxt + 1 if act is not None else nxt
-    if all(s[0] == "call" for s in steps):
-        return None
-    return tuple(steps)
+        act_child = None
+        if own is not _MISSING:
+            act = activation_name(own)
+            if act is None:  # a norm-activation class with an activation no kernel applies
+                reasons.append(f"{names[norm_at]}: {type(own).__name__} cannot be fused")
+                steps.append(Step("call", None, names[i]))
+                i += 1
+                continue
+        else:
+            act = activation_name(mods[nxt]) if nxt < len(mods) else None
+            act_child = names[nxt] if act is not None else None  # consumed: the fused op applies it
+        conv_name = names[i] if conv is not None else None
+        own_act = own is not _MISSING
+        steps.append(Step(mode, conv_name, names[norm_at], act or "none", act_child, (), type(norm), own_act))
+        i = nxt + 1 if act_child is not None else nxt
+    return tuple(steps), "; ".join(reasons)
 
 
-def _describe(steps: list[Step]) -> str:
+def _fused(steps: Iterable[Step]) -> bool:
+    return any(step.mode not in ("call", "eager") for step in steps)
+
+
+def _describe(steps: Iterable[Step]) -> str:
     parts = []
-    for mode, conv, norm, act, _ in steps:
-        if mode == "call":
+    for step in steps:
+        if step.mode == "call":
             continue
-        chain = "+".join(p for p in (conv, norm, None if act == "none" else act) if p)
-        parts.append(f"{chain} -> {mode}")
+        act = None if step.act == "none" else step.act
+        chain = "+".join(p for p in (step.conv, step.norm or "self", act) if p)
+        parts.append(f"{chain} -> {step.mode}")
     return ", ".join(parts)
 
 
-def _kinds_of(steps: list[Step]) -> str:
+def _kinds_of(steps: Iterable[Step]) -> str:
     kinds: list[str] = []
-    for mode, *_ in steps:
-        if mode not in ("call", "eager") and mode not in kinds:
-            kinds.append(mode)
-    return "+".join(kinds)
+    for step in steps:
+        if step.mode not in ("call", "eager") and step.mode not in kinds:
+            kinds.append(step.mode)
+    return "+".join(kinds) or "eager"
+
+
+def _norms_of(owner: nn.Module, steps: Iterable[Step]) -> set[int]:
+    """ids of the norms (other than ``owner``) that ``owner``'s plan runs: a norm-activation module among them
+    is not rewritten on its own as well."""
+    found = (submodule(owner, step.norm) for step in steps if step.mode != "call")
+    return {id(norm) for norm in found if norm is not None and norm is not owner}
+
+
+def _sequential_forward(self: nn.Sequential, x: Any) -> Any:
+    for step in getattr(self, PLAN_ATTR):
+        x = run_step(self, step, x)
+    return x
+
+
+def _steps(plan: Mapping[str, Step] | tuple[Step, ...]) -> Iterable[Step]:
+    return plan.values() if isinstance(plan, Mapping) else plan
 
 
 def _patch(module: nn.Module, attribute: str, fn: Callable[..., Any], plan: Any) -> Any:
@@ -357,11 +293,17 @@ def _patch(module: nn.Module, attribute: str, fn: Callable[..., Any], plan: Any)
     return previous
 
 
-def apply_substitutions(module: nn.Module, kinds: frozenset[str]) -> SubstitutionReport:
-    """Rewrite recognised blocks of ``module`` in place to run fused ops; return what was rewritten.
+def apply_substitutions(
+    module: nn.Module, kinds: Iterable[str], *, all_eager: bool = False
+) -> SubstitutionReport:
+    """Rewrite the registered blocks and the Sequentials of ``module`` in place to run fused ops; return what
+    was rewritten and what stays eager, with the reasons.
 
     ``kinds`` are kernel names from :data:`KNOWN_KERNELS`; unknown names raise. Idempotent: a module that
-    already carries a plan is left alone.
+    already carries a plan is left alone. ``all_eager=True`` plans as for ``kinds`` but runs every chain on
+    the block's own modules, and rewrites every recognised block even so: the restated forwards with no
+    kernel, which must compute exactly what the classes' own forwards do (what the tests check; not for
+    training).
     """
     unknown = set(kinds) - set(KNOWN_KERNELS)
     if unknown:
@@ -370,46 +312,50 @@ def apply_substitutions(module: nn.Module, kinds: frozenset[str]) -> Substitutio
     report = SubstitutionReport([])
     if not kinds:
         return report
-    specs = _block_specs()
+    covered: set[int] = set()  # norm-activation modules a block's plan already runs
     for path, sub in list(module.named_modules()):
-        if PLAN_ATTR in sub.__dict__:
+        if id(sub) in covered:
+            continue
+        existing = sub.__dict__.get(PLAN_ATTR)
+        if existing is not None:
+            covered |= _norms_of(sub, _steps(existing))
             continue
         label = path or type(sub).__name__
-        spec = specs.get(type(sub))
+        spec = block_spec(sub)
+        plan: dict[str, Step] | tuple[Step, ...] | None
         if spec is not None:
             plan, why = _plan_block(sub, spec, kinds)
-            if why:
-                report.skipped.append((label, why))
-            if plan is None:
-                continue
-            steps = list(plan.values())
-            previous = _patch(sub, spec.attribute, spec.forward, plan)
-            report.replacements.append(
-                Replacement(
-                    label,
-                    _kinds_of(steps),
-                    f"{type(sub).__name__}.{spec.attribute}: {_describe(steps)}",
-                    spec.attribute,
-                    sub,
-                    previous,
-                )
-            )
+            attribute, forward = spec.attribute, spec.forward
         elif _is_plain_sequential(sub):
-            seq_plan = _plan_sequential(sub, kinds)  # type: ignore[arg-type]
-            if seq_plan is None:
-                continue
-            previous = _patch(sub, "forward", _sequential_forward, seq_plan)
-            report.replacements.append(
-                Replacement(
-                    label,
-                    _kinds_of(list(seq_plan)),
-                    f"{type(sub).__name__}: {_describe(list(seq_plan))}",
-                    "forward",
-                    sub,
-                    previous,
-                )
-            )
+            plan, why = _plan_sequential(sub, kinds)  # type: ignore[arg-type]
+            attribute, forward = "forward", _sequential_forward
+        else:
+            continue
+        if why:
+            report.skipped.append((label, why))
+        if plan is None:
+            continue
+        covered |= _norms_of(sub, _steps(plan))
+        if all_eager:
+            plan = _all_eager(plan)
+        elif not _fused(_steps(plan)):
+            continue
+        steps = list(_steps(plan))
+        previous = _patch(sub, attribute, forward, plan)
+        where = f"{type(sub).__name__}.{attribute}" if spec is not None else type(sub).__name__
+        report.replacements.append(
+            Replacement(label, _kinds_of(steps), f"{where}: {_describe(steps)}", attribute, sub, previous)
+        )
     return report
+
+
+def _all_eager(plan: dict[str, Step] | tuple[Step, ...]) -> dict[str, Step] | tuple[Step, ...]:
+    def eager(step: Step) -> Step:
+        return step if step.mode == "call" else step._replace(mode="eager")
+
+    if isinstance(plan, dict):
+        return {name: eager(step) for name, step in plan.items()}
+    return tuple(eager(step) for step in plan)
 
 
 def undo_substitutions(module: nn.Module, report: SubstitutionReport) -> None:
@@ -427,3 +373,15 @@ def undo_substitutions(module: nn.Module, report: SubstitutionReport) -> None:
 def substituted_modules(module: nn.Module) -> list[str]:
     """Paths of the submodules of ``module`` that currently run a substitution plan."""
     return [path or type(sub).__name__ for path, sub in module.named_modules() if PLAN_ATTR in sub.__dict__]
+
+
+def planned_norms(module: nn.Module) -> dict[str, str]:
+    """The mode (a kernel name, or "eager") of each norm that a rewritten submodule of ``module`` runs, by the
+    norm's path: what a coverage report counts."""
+    modes: dict[str, str] = {}
+    for path, sub in module.named_modules():
+        plan = sub.__dict__.get(PLAN_ATTR)
+        for step in _steps(plan) if plan is not None else ():
+            if step.mode != "call":
+                modes[".".join(p for p in (path, step.norm) if p)] = step.mode
+    return modes

@@ -1,9 +1,9 @@
 """Real vision models train under ``strategy="compiled"`` with ``kernels="all"`` as accurately as fp32 eager.
 
 Models: torchvision ResNet-18 and ResNet-50, MobileNetV3-small, EfficientNet-B0, RegNetY-400MF,
-DenseNet-121, ConvNeXt-tiny, and timm's ResNet-18; 32 px and 64 px images, batch 4, on the CPU, where the
-fused ops run their PyTorch references (``TRITON_INTERPRET=0``; ``tests/conftest.py`` sets it to 1 for the
-session where there is no GPU).
+DenseNet-121, ConvNeXt-tiny, and timm's ResNet-18 and test EfficientNet; 32 px and 64 px images, batch 4, on
+the CPU, where the fused ops run their PyTorch references (``TRITON_INTERPRET=0``; ``tests/conftest.py`` sets
+it to 1 for the session where there is no GPU).
 
 * **Accuracy** (:func:`test_trains_like_fp32_eager`). Each model trains 2 steps in a real ``Trainer`` under
   ``CompiledStrategy(kernels="all")``; its step-1 loss, step-1 gradient norm and BatchNorm running statistics
@@ -198,8 +198,14 @@ def tv_convnext_tiny_small() -> nn.Module:
 
 def timm_resnet18() -> nn.Module:
     timm = pytest.importorskip("timm")
-    # one block a stage instead of two (timm's blocks stay eager: only its downsamples are rewritten)
+    # one block a stage instead of two
     return timm.create_model("resnet18", pretrained=False, num_classes=NUM_CLASSES, layers=(1, 1, 1, 1))
+
+
+def timm_efficientnet() -> nn.Module:
+    timm = pytest.importorskip("timm")
+    # timm's own test-sized EfficientNet: BatchNormAct2d norms, EdgeResidual and InvertedResidual blocks
+    return timm.create_model("test_efficientnet", pretrained=False, num_classes=NUM_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -223,8 +229,10 @@ MODELS: dict[str, ModelCase] = {
     "densenet121": ModelCase(tv_densenet121_small, {"conv_bn_act": 1, "batch_norm_act": 4}),
     # stem, 3 downsamples and the classifier's LayerNorm2d; CNBlock's LayerNorm is channels-last: eager
     "convnext_tiny": ModelCase(tv_convnext_tiny_small, {"layer_norm2d_act": 5}),
-    # timm's blocks are not torchvision's (stay eager); its 3 downsample Sequentials conv+bn are rewritten
-    "timm_resnet18": ModelCase(timm_resnet18, {"conv_bn_act": 3}),
+    # stem (ResNet.forward_features) + 4 BasicBlocks + 3 downsample Sequentials (specs: blocks/_timm.py)
+    "timm_resnet18": ModelCase(timm_resnet18, {"conv_bn_act": 8}),
+    # stem and head (EfficientNet.forward_features) + 5 blocks; the 2 depthwise convs' BNs: batch_norm_act
+    "timm_efficientnet": ModelCase(timm_efficientnet, {"conv_bn_act": 6, "batch_norm_act": 2}),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_plugin.blocks import Chain, register_block, run_chain
 from vision.models._registry import register_model
 
 __all__ = ["AirbenchNet", "ConvGroup", "whitening_weights", "airbench94", "airbench95"]
@@ -47,6 +48,20 @@ class ConvGroup(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act(self.norm1(self.pool(self.conv1(x))))
         return self.act(self.norm2(self.conv2(x)))
+
+
+def _conv_group_chains(self: ConvGroup, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`ConvGroup.forward` with its BN-GELU chains run by the kernel substitution's plan (the pool
+    between ``conv1`` and ``norm1`` keeps that conv out of its chain)."""
+    x = run_chain(self, "norm1", self.pool(self.conv1(x)))
+    return run_chain(self, "norm2", x)
+
+
+register_block(
+    ConvGroup,
+    chains=(Chain("norm1", act="act"), Chain("norm2", conv="conv2", act="act")),
+    forward=_conv_group_chains,
+)
 
 
 class AirbenchNet(nn.Module):

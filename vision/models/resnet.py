@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_plugin.blocks import Chain, register_block, run_chain
 from vision.models._registry import register_model
 
 __all__ = ["ResNet", "BasicBlock", "Bottleneck", "resnet18", "resnet34", "resnet50", "cifar_resnet18"]
@@ -52,6 +53,20 @@ class BasicBlock(nn.Module):
         return self.relu(out + identity)
 
 
+def _basic_block_chains(self: BasicBlock, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`BasicBlock.forward` with its conv-BN-ReLU chains run by the kernel substitution's plan."""
+    identity = x if self.downsample is None else self.downsample(x)
+    out = run_chain(self, "bn1", x)
+    return run_chain(self, "bn2", out, identity)
+
+
+register_block(
+    BasicBlock,
+    chains=(Chain("bn1", conv="conv1", act="relu"), Chain("bn2", conv="conv2", act="relu")),
+    forward=_basic_block_chains,
+)
+
+
 class Bottleneck(nn.Module):
     """1x1 reduce, 3x3 (strided, v1.5), 1x1 expand by 4, with a residual."""
 
@@ -79,6 +94,25 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
         return self.relu(out + identity)
+
+
+def _bottleneck_chains(self: Bottleneck, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`Bottleneck.forward` with its conv-BN-ReLU chains run by the kernel substitution's plan."""
+    identity = x if self.downsample is None else self.downsample(x)
+    out = run_chain(self, "bn1", x)
+    out = run_chain(self, "bn2", out)
+    return run_chain(self, "bn3", out, identity)
+
+
+register_block(
+    Bottleneck,
+    chains=(
+        Chain("bn1", conv="conv1", act="relu"),
+        Chain("bn2", conv="conv2", act="relu"),
+        Chain("bn3", conv="conv3", act="relu"),
+    ),
+    forward=_bottleneck_chains,
+)
 
 
 class ResNet(nn.Module):
@@ -152,6 +186,21 @@ class ResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.forward_features(x))
+
+
+def _resnet_features_chains(self: ResNet, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`ResNet.forward_features` with the stem's conv-BN-ReLU run by the kernel substitution's plan."""
+    x = self.maxpool(run_chain(self, "bn1", x))
+    x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+    return torch.flatten(self.avgpool(x), 1)
+
+
+register_block(
+    ResNet,
+    attribute="forward_features",
+    chains=(Chain("bn1", conv="conv1", act="relu"),),
+    forward=_resnet_features_chains,
+)
 
 
 @register_model
