@@ -50,6 +50,7 @@ class ModuleCompiler:
         self.stats = CompileStats()
         self._patched: list[_PatchedForward] = []
         self._substitution_report: Any = None
+        self._selection: Any = None  # an AutoKernelSelection with kernels="auto"
         self._use_eager = False
 
     @property
@@ -60,6 +61,15 @@ class ModuleCompiler:
     def substitution_report(self) -> Any:
         """The ``SubstitutionReport`` of the last compile, or ``None`` when no kernels were substituted."""
         return self._substitution_report
+
+    @property
+    def kernel_decisions(self) -> list[Any]:
+        """``KernelDecision`` per rewritten block once ``kernels="auto"`` has measured (at the first forward)."""
+        return list(self._selection.decisions) if self._selection is not None else []
+
+    @property
+    def selection_pending(self) -> bool:
+        return self._selection is not None and self._selection.pending
 
     def compile(self, module: nn.Module, device: torch.device) -> bool:
         """Compile ``module`` in place; return False when it was left alone (already compiled)."""
@@ -81,6 +91,20 @@ class ModuleCompiler:
 
             self._substitution_report = apply_substitutions(module, kinds)
             log.info("Kernel substitutions:\n%s", self._substitution_report.summary())
+        self._selection = None
+        if kinds and self.config.kernels == "auto":
+            from lightning_plugin.kernel_selection import AutoKernelSelection
+
+            to_channels_last = self.config.channels_last
+            self._selection = AutoKernelSelection(
+                module,
+                self._substitution_report,
+                self.config,
+                device,
+                eager_forward=module.forward,
+                prepare_args=lambda args: tuple(_channels_last(a) for a in args) if to_channels_last else args,
+                on_finish=self.stats.start,  # the measurement's compiles are not the model's
+            )
         self.stats.start()
         self._use_eager = False
         backend = make_backend(
@@ -105,6 +129,8 @@ class ModuleCompiler:
             else:
                 patched.module.forward = patched.previous
         self._patched.clear()
+        if self._selection is not None:
+            self._selection.close()
         if self._substitution_report is not None and module is not None:
             from lightning_plugin.substitution import undo_substitutions
 
@@ -127,6 +153,8 @@ class ModuleCompiler:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if to_channels_last:
                 args = tuple(_channels_last(a) for a in args)
+            if self._selection is not None and self._selection.intercept(target, args, kwargs):
+                return eager(*args, **kwargs)
             if self._use_eager or (not config.compile_eval and not target.training):
                 return eager(*args, **kwargs)
             try:
