@@ -64,7 +64,7 @@ class ModuleCompiler:
 
     @property
     def kernel_decisions(self) -> list[Any]:
-        """``KernelDecision`` per rewritten block once ``kernels="auto"`` has measured (at the first forward)."""
+        """A ``KernelDecision`` per rewritten block, once ``kernels="auto"`` has measured (first forward)."""
         return list(self._selection.decisions) if self._selection is not None else []
 
     @property
@@ -95,14 +95,13 @@ class ModuleCompiler:
         if kinds and self.config.kernels == "auto":
             from lightning_plugin.kernel_selection import AutoKernelSelection
 
-            to_channels_last = self.config.channels_last
             self._selection = AutoKernelSelection(
                 module,
                 self._substitution_report,
                 self.config,
                 device,
                 eager_forward=module.forward,
-                prepare_args=lambda args: tuple(_channels_last(a) for a in args) if to_channels_last else args,
+                prepare_args=_channels_last_args if self.config.channels_last else tuple,
                 on_finish=self.stats.start,  # the measurement's compiles are not the model's
             )
         self.stats.start()
@@ -152,7 +151,7 @@ class ModuleCompiler:
         @functools.wraps(eager)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if to_channels_last:
-                args = tuple(_channels_last(a) for a in args)
+                args = _channels_last_args(args)
             if self._selection is not None and self._selection.intercept(target, args, kwargs):
                 return eager(*args, **kwargs)
             if self._use_eager or (not config.compile_eval and not target.training):
@@ -222,6 +221,10 @@ def find_repeated_blocks(root: nn.Module) -> list[nn.Module]:
 
 def _is_torch_builtin(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.")
+
+
+def _channels_last_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_channels_last(a) for a in args)
 
 
 def _channels_last(value: Any) -> Any:
