@@ -9,11 +9,12 @@ gives whole graphs with zero breaks. Patching the instance attribute ``forward``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ class ModuleCompiler:
         self._patched: list[_PatchedForward] = []
         self._substitution_report: Any = None
         self._selection: Any = None  # an AutoKernelSelection with kernels="auto"
+        self._targets: list[nn.Module] = []
+        self._backend: Callable[..., Any] | None = None
         self._use_eager = False
 
     @property
@@ -100,13 +103,13 @@ class ModuleCompiler:
                 self._substitution_report,
                 self.config,
                 device,
-                eager_forward=module.forward,
+                uncompiled=functools.partial(self._uncompiled, module),
                 prepare_args=_channels_last_args if self.config.channels_last else tuple,
                 on_finish=self.stats.start,  # the measurement's compiles are not the model's
             )
         self.stats.start()
         self._use_eager = False
-        backend = make_backend(
+        self._backend = make_backend(
             self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats
         )
         targets = find_repeated_blocks(module) if self.config.regional else []
@@ -116,18 +119,13 @@ class ModuleCompiler:
                 "compiling its whole forward instead.",
                 stacklevel=2,
             )
-        for target in targets or [module]:
-            self._patch(target, backend, to_channels_last=self.config.channels_last and target is module)
+        self._targets = targets or [module]
+        self._patch_targets(module)
         return True
 
     def restore(self, module: nn.Module | None = None) -> None:
         """Undo :meth:`compile`: original forwards back, substituted kernels reverted."""
-        for patched in reversed(self._patched):
-            if patched.previous is _MISSING:
-                patched.module.__dict__.pop("forward", None)
-            else:
-                patched.module.forward = patched.previous
-        self._patched.clear()
+        self._unpatch_targets()
         if self._selection is not None:
             self._selection.close()
         if self._substitution_report is not None and module is not None:
@@ -135,6 +133,29 @@ class ModuleCompiler:
 
             undo_substitutions(module, self._substitution_report)
         self._substitution_report = None
+
+    def _patch_targets(self, root: nn.Module) -> None:
+        for target in self._targets:
+            assert self._backend is not None
+            self._patch(target, self._backend, to_channels_last=self.config.channels_last and target is root)
+
+    def _unpatch_targets(self) -> None:
+        for patched in reversed(self._patched):
+            if patched.previous is _MISSING:
+                patched.module.__dict__.pop("forward", None)
+            else:
+                patched.module.forward = patched.previous
+        self._patched.clear()
+
+    @contextlib.contextmanager
+    def _uncompiled(self, root: nn.Module) -> Iterator[None]:
+        """The module's own forwards while ``kernels="auto"`` measures and undoes rewrites (its copies and undos
+        must not meet our wrappers), then fresh wrappers over the forwards it left. Nothing is traced before."""
+        self._unpatch_targets()
+        try:
+            yield
+        finally:
+            self._patch_targets(root)
 
     def _patch(self, target: nn.Module, backend: Callable[..., Any], to_channels_last: bool) -> None:
         previous = target.__dict__.get("forward", _MISSING)
@@ -152,8 +173,10 @@ class ModuleCompiler:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if to_channels_last:
                 args = _channels_last_args(args)
-            if self._selection is not None and self._selection.intercept(target, args, kwargs):
-                return eager(*args, **kwargs)
+            if self._selection is not None:
+                self._selection.before_compiled_call(target, args, kwargs)
+                if target.__dict__.get("forward") is not forward:  # replaced while the selection ran
+                    return target.forward(*args, **kwargs)
             if self._use_eager or (not config.compile_eval and not target.training):
                 return eager(*args, **kwargs)
             try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,9 +229,10 @@ class AutoKernelSelection:
     """``kernels="auto"`` for one compiled module, waiting for the module's first forward.
 
     It runs from a forward pre-hook on the module (before the compiled ``forward`` is entered) and, for a
-    forward called directly (``self.forward(x)``), from the compiler's guarded forward through
-    :meth:`intercept`. While it measures, compiled forwards run eagerly, so nothing is traced with the
-    candidate rewrites.
+    forward called directly (``self.forward(x)``), from the compiler's wrapper through
+    :meth:`before_compiled_call`. It measures inside ``uncompiled()``, the compiler's window in which the
+    module has its own forwards (so copies and undone rewrites never meet a compiled wrapper) and after
+    which the compiler wraps the forwards the selection left: nothing is traced before it has decided.
     """
 
     def __init__(
@@ -239,13 +241,13 @@ class AutoKernelSelection:
         report: SubstitutionReport,
         config: CompileConfig,
         device: torch.device,
-        eager_forward: Callable[..., Any],
+        uncompiled: Callable[[], AbstractContextManager[None]],
         prepare_args: Callable[[tuple[Any, ...]], tuple[Any, ...]],
         on_finish: Callable[[], None],
     ) -> None:
         self.root, self.report, self.config, self.device = root, report, config, device
         self.decisions: list[KernelDecision] = []
-        self._eager_forward = eager_forward
+        self._uncompiled = uncompiled
         self._prepare_args = prepare_args
         self._on_finish = on_finish
         self._state = "pending"  # -> "running" -> "done"
@@ -255,19 +257,17 @@ class AutoKernelSelection:
     def pending(self) -> bool:
         return self._state == "pending"
 
-    def intercept(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Called by a compiled forward before it runs; True means "run eagerly" (a measurement runs)."""
-        if self._state == "running":
-            return True
-        if self._state == "pending":
-            if target is self.root:
-                self._run(args, kwargs)
-            else:  # a repeated block compiled alone, reached without the root's pre-hook: inputs are unknown
-                self._give_up(
-                    f"{type(self.root).__name__}.forward was called without going through the module's "
-                    "__call__ (e.g. self.forward(x)), so block inputs could not be recorded"
-                )
-        return False
+    def before_compiled_call(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Called by a compiled forward before it runs (afterwards the compiler's wrappers may be new ones)."""
+        if self._state != "pending":
+            return
+        if target is self.root:
+            self._run(args, kwargs)
+        else:  # a repeated block compiled alone, reached without the root's pre-hook: inputs are unknown
+            self._give_up(
+                f"{type(self.root).__name__} was not called as a module (e.g. self.forward(x), or a "
+                "training_step calling a submodule), so the inputs of its blocks could not be recorded"
+            )
 
     def close(self) -> None:
         """Stop waiting (the strategy restored the module); decisions already made stay readable."""
@@ -284,18 +284,19 @@ class AutoKernelSelection:
         self._hook.remove()
         try:
             compile_fn, compiler = compile_settings(self.config)
-            self.decisions = run_selection(
-                self.root,
-                self.report,
-                lambda: self._eager_forward(*args, **kwargs),
-                root_inputs=(*args, *kwargs.values()),
-                device=self.device,
-                training=_will_train(self.root),
-                compile_fn=compile_fn,
-                compiler=compiler,
-                timer=default_timer(),
-                cache=DecisionCache(),
-            )
+            with self._uncompiled():
+                self.decisions = run_selection(
+                    self.root,
+                    self.report,
+                    lambda: self.root.forward(*args, **kwargs),
+                    root_inputs=(*args, *kwargs.values()),
+                    device=self.device,
+                    training=_will_train(self.root),
+                    compile_fn=compile_fn,
+                    compiler=compiler,
+                    timer=default_timer(),
+                    cache=DecisionCache(),
+                )
         finally:
             self._state = "done"
         self._on_finish()
@@ -311,7 +312,8 @@ class AutoKernelSelection:
             KernelDecision(rep.path, rep.kind, "eager", None, reason="not measured")
             for rep in self.report.replacements
         ]
-        _keep_chosen(self.root, self.report, self.decisions)
+        with self._uncompiled():
+            _keep_chosen(self.root, self.report, self.decisions)
 
 
 # ---------------------------------------------------------------------------------------------------------

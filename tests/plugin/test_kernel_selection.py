@@ -52,13 +52,14 @@ def chain(*channels: int) -> nn.Sequential:
 class FakeClock:
     """Seconds per step by the block's input shape (``signature.inputs``); records every call."""
 
-    def __init__(self, times: dict[str, tuple[float, float]]) -> None:
+    def __init__(self, times: dict[str, tuple[float, float]], default: tuple[float, float] | None = None) -> None:
         self.times = times  # inputs -> (fused seconds, Inductor seconds)
+        self.default = default
         self.calls: list[tuple[str, str]] = []
 
     def __call__(self, step, *, arm, signature, device) -> float:
         self.calls.append((arm, signature.inputs))
-        fused, inductor = self.times[signature.inputs]
+        fused, inductor = self.times.get(signature.inputs, self.default)
         return fused if arm == "fused" else inductor
 
 
@@ -379,3 +380,49 @@ def test_trainer_selects_at_the_first_forward_and_logs_the_decisions(auto_as_on_
     assert "used cached decisions for 2 block signature(s)" in caplog.text
     assert second.rewritten_in_training == [["net.0"], ["net.0"]]
     assert all(d.cached for d in strategy.kernel_decisions)
+
+
+class ResNetModule(L.LightningModule):
+    def __init__(self, call_forward_directly: bool) -> None:
+        super().__init__()
+        self.net = ResNet(BasicBlock, (1, 1, 1, 1), num_classes=3, width=4, stem="cifar")
+        self.call_forward_directly = call_forward_directly
+        self.rewritten_in_training: list[list[str]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.forward(x) if self.call_forward_directly else self(x)
+        self.rewritten_in_training.append(substituted_modules(self))
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("call_forward_directly", [False, True], ids=["self(x)", "self.forward(x)"])
+def test_regional_compile_selects_before_any_block_is_traced(call_forward_directly, auto_as_on_cuda, reference_ops):
+    clock = auto_as_on_cuda
+    clock.default = (1.0, 1.2)  # every block measured is kept
+    module = ResNetModule(call_forward_directly)
+    strategy = CompiledStrategy(backend="eager", regional=True)
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))), batch_size=4)
+    blocks = ["net.layer1.0", "net.layer2.0", "net.layer2.0.downsample", "net.layer3.0",
+              "net.layer3.0.downsample", "net.layer4.0", "net.layer4.0.downsample"]
+    if call_forward_directly:
+        # The root's pre-hook never fires and the first compiled block cannot know its neighbours' inputs:
+        # nothing is measured, so nothing stays fused.
+        with pytest.warns(UserWarning, match="was not called as a module"):
+            _trainer(strategy=strategy, num_sanity_val_steps=0).fit(module, data)
+        assert clock.calls == [] and module.rewritten_in_training == [[], []]
+        assert not any(d.fused for d in strategy.kernel_decisions)
+        return
+    _trainer(strategy=strategy, num_sanity_val_steps=0).fit(module, data)
+    assert clock.calls
+    assert module.rewritten_in_training == [blocks, blocks]  # the stem's ResNet rewrite holds the rest: eager
+    # Blocks are measured on copies without the compiler's wrappers (or their gradients would go to the model's
+    # blocks), and the recording forward compiled nothing (else training would recompile for grad mode).
+    assert all(d.correct for d in strategy.kernel_decisions if d.signature is not None)
+    assert not [r for r in strategy.compile_stats.recompile_reasons if "grad_mode" in r]
