@@ -153,16 +153,22 @@ def select_kernels(
     return KernelSelection(decisions, report)
 
 
+#: Inductor modes as measured: without CUDA graphs, whose static output buffers a timing loop that keeps
+#: results between calls would overwrite (the model's own compile keeps the configured mode).
+_MEASURED_MODE = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
 def compile_settings(config: CompileConfig) -> tuple[Compile, str]:
     """How both sides of a measurement are compiled (as the model will be), and a label for the signature."""
+    mode = _MEASURED_MODE.get(config.mode, config.mode) if config.mode is not None else None
     kwargs: dict[str, Any] = {"backend": config.backend, "dynamic": False}
-    if config.mode is not None:
-        kwargs["mode"] = config.mode
+    if mode is not None:
+        kwargs["mode"] = mode
     if config.options:
         kwargs["options"] = config.options
     backend = getattr(config.backend, "__name__", str(config.backend))
     options = ",".join(f"{k}={v}" for k, v in sorted((config.options or {}).items()))
-    label = f"{backend}:{config.mode or 'default'}" + (f":{options}" if options else "")
+    label = f"{backend}:{mode or 'default'}" + (f":{options}" if options else "")
     return (lambda fn: torch.compile(fn, **kwargs)), label
 
 
@@ -184,6 +190,8 @@ def run_selection(
     ``forward`` runs the model once on ``root_inputs`` without compiling. Rejected blocks move from
     ``report.replacements`` to ``report.skipped`` with their reason.
     """
+    if not report.replacements:  # e.g. float64 training: nothing was rewritten, on any rank
+        return []
     devices = []
     if device.type == "cuda":
         devices = [device.index if device.index is not None else torch.cuda.current_device()]
@@ -258,7 +266,7 @@ class AutoKernelSelection:
         return self._state == "pending"
 
     def before_compiled_call(self, target: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Called by a compiled forward before it runs (afterwards the compiler's wrappers may be new ones)."""
+        """Called by a compiled forward before it runs (afterwards, the compiler's wrappers may be new)."""
         if self._state != "pending":
             return
         if target is self.root:

@@ -20,12 +20,14 @@ from lightning_plugin.kernel_selection import select_kernels
 from lightning_plugin.substitution import substituted_modules
 
 
+def conv_block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+
 def main(rank: int, port: str, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(rank)  # different weights and inputs per rank: only the decisions are shared
-    model = nn.Sequential(
-        *(nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU()) for a, b in ((3, 4), (4, 5)))
-    )
+    model = nn.Sequential(*(conv_block(a, b) for a, b in ((3, 4), (4, 5))))
     calls = []
 
     def clock(step, *, arm, signature, device):

@@ -52,15 +52,23 @@ def chain(*channels: int) -> nn.Sequential:
 class FakeClock:
     """Seconds per step by the block's input shape (``signature.inputs``); records every call."""
 
-    def __init__(self, times: dict[str, tuple[float, float]], default: tuple[float, float] | None = None) -> None:
+    def __init__(self, times: dict[str, tuple[float, float]]) -> None:
         self.times = times  # inputs -> (fused seconds, Inductor seconds)
-        self.default = default
+        self.default: tuple[float, float] | None = None  # for inputs not in ``times``
         self.calls: list[tuple[str, str]] = []
 
     def __call__(self, step, *, arm, signature, device) -> float:
         self.calls.append((arm, signature.inputs))
-        fused, inductor = self.times.get(signature.inputs, self.default)
+        timing = self.times.get(signature.inputs, self.default)
+        if timing is None:
+            raise KeyError(f"FakeClock has no timing for inputs {signature.inputs}")
+        fused, inductor = timing
         return fused if arm == "fused" else inductor
+
+
+def select(model: nn.Module, x: torch.Tensor, timer, cache_dir: Path, **kwargs):
+    """``select_kernels`` with both sides compiled by the eager backend (fast on CPU) and a private cache."""
+    return select_kernels(model, x, timer=timer, cache_dir=str(cache_dir), **{"config": EAGER, **kwargs})
 
 
 @pytest.fixture
@@ -82,9 +90,9 @@ def test_choices_follow_the_timings(tmp_path):
             "2x6x6x6": (1.0, MIN_SPEEDUP),  # exactly the threshold: kept (two blocks, one measurement)
         }
     )
-    selection = select_kernels(model, x, config=EAGER, timer=clock, cache_dir=str(tmp_path))
-    chosen = [(d.path, d.chosen) for d in selection.decisions]
-    assert chosen == [("0", "conv_bn_act"), ("1", "eager"), ("2", "eager"), ("3", "conv_bn_act"), ("4", "conv_bn_act")]
+    selection = select(model, x, clock, tmp_path)
+    chosen = [d.chosen for d in selection.decisions]
+    assert chosen == ["conv_bn_act", "eager", "eager", "conv_bn_act", "conv_bn_act"]
     assert [d.ratio for d in selection.decisions] == pytest.approx([1.5, 1.03, 0.8, MIN_SPEEDUP, MIN_SPEEDUP])
     assert all(d.correct for d in selection.decisions)
     assert substituted_modules(model) == ["0", "3", "4"]
@@ -125,8 +133,7 @@ def test_wrong_numerics_are_never_chosen_even_when_faster(fault, monkeypatch, tm
     monkeypatch.setattr("lightning_plugin.substitution.conv_bn_act_forward", faulty, raising=False)
     model = chain(3, 4)
     clock = FakeClock({"2x3x6x6": (0.1, 1.0)})  # the wrong kernel would be 10x faster
-    selection = select_kernels(model, torch.randn(2, 3, 6, 6), config=EAGER, timer=clock, cache_dir=str(tmp_path))
-    (decision,) = selection.decisions
+    (decision,) = select(model, torch.randn(2, 3, 6, 6), clock, tmp_path).decisions
     assert decision.chosen == "eager" and decision.correct is False
     expected = {
         "output": "output 0",
@@ -140,7 +147,7 @@ def test_wrong_numerics_are_never_chosen_even_when_faster(fault, monkeypatch, tm
 
 
 def _cached_run(cache_dir: Path, model: nn.Module, clock: FakeClock):
-    return select_kernels(copy.deepcopy(model), torch.randn(2, 3, 6, 6), config=EAGER, timer=clock, cache_dir=str(cache_dir))
+    return select(copy.deepcopy(model), torch.randn(2, 3, 6, 6), clock, cache_dir)
 
 
 def test_cache_is_reused_and_invalidated_by_a_version_change(tmp_path, monkeypatch):
@@ -179,11 +186,10 @@ def test_corrupt_cache_warns_once_and_measures_again(tmp_path):
 def test_a_model_sized_rewrite_stays_eager_and_nested_blocks_are_measured_alone(reference_ops, tmp_path):
     model = ResNet(BasicBlock, (1, 1, 1, 1), num_classes=3, width=4, stem="cifar")
     clock = FakeClock({s: (1.0, 2.0) for s in ("2x4x8x8", "2x8x4x4", "2x16x2x2")})
-    selection = select_kernels(model, torch.randn(2, 3, 8, 8), config=EAGER, timer=clock, cache_dir=str(tmp_path))
-    by_path = {d.path: d for d in selection.decisions}
+    by_path = {d.path: d for d in select(model, torch.randn(2, 3, 8, 8), clock, tmp_path).decisions}
     assert by_path["ResNet"].chosen == "eager" and by_path["ResNet"].signature is None
     assert "holds 7 other rewritten blocks" in by_path["ResNet"].reason
-    assert by_path["layer2.0"].chosen == "conv_bn_act" and by_path["layer2.0.downsample"].chosen == "conv_bn_act"
+    assert by_path["layer2.0"].chosen == by_path["layer2.0.downsample"].chosen == "conv_bn_act"
     assert by_path["layer2.0"].signature.key != by_path["layer2.0.downsample"].signature.key
     assert "ResNet" not in substituted_modules(model)
 
@@ -195,7 +201,7 @@ def test_every_block_is_compiled_despite_dynamos_recompile_limit(reference_ops, 
     model = chain(*range(3, 14))
     times = {f"2x{c}x6x6": (1.0, 1.2) for c in range(3, 13)}
     before = counters["stats"]["unique_graphs"]
-    selection = select_kernels(model, torch.randn(2, 3, 6, 6), config=EAGER, timer=FakeClock(times), cache_dir=str(tmp_path))
+    selection = select(model, torch.randn(2, 3, 6, 6), FakeClock(times), tmp_path)
     assert counters["stats"]["unique_graphs"] - before >= 20
     assert all(d.chosen == "conv_bn_act" for d in selection.decisions)
 
@@ -209,10 +215,20 @@ def test_eval_selection_times_the_forward_only(tmp_path):
         grads_after_step.append([p.grad for p in model.parameters()])
         return 1.0 if arm == "fused" else 1.2
 
-    selection = select_kernels(model, torch.randn(2, 3, 6, 6), training=False, config=EAGER, timer=clock, cache_dir=str(tmp_path))
+    selection = select(model, torch.randn(2, 3, 6, 6), clock, tmp_path, training=False)
     (decision,) = selection.decisions
     assert decision.signature.mode == "eval" and decision.chosen == "conv_bn_act"
     assert len(grads_after_step) == 2
+
+
+def test_autocast_dtype_is_measured_and_checked(reference_ops, tmp_path):
+    # bf16 on the references: the Triton interpreter has no bf16 (its bf16 results are wrong, and the
+    # selection rejects them: checked by running this test without the fixture).
+    model = chain(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        selection = select(model, torch.randn(2, 3, 6, 6), FakeClock({"2x3x6x6": (1.0, 1.2)}), tmp_path)
+    (decision,) = selection.decisions
+    assert decision.signature.dtype == "bfloat16" and decision.correct and decision.chosen == "conv_bn_act"
 
 
 def test_median_timer_warms_up_then_takes_the_median():
@@ -235,7 +251,8 @@ def test_inductor_is_the_baseline_by_default(tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "compile", spy)
-        selection = select_kernels(model, torch.randn(1, 3, 5, 5), timer=FakeClock({"1x3x5x5": (1.0, 1.2)}), cache_dir=str(tmp_path))
+        clock = FakeClock({"1x3x5x5": (1.0, 1.2)})
+        selection = select(model, torch.randn(1, 3, 5, 5), clock, tmp_path, config=CompileConfig())
     assert compiled == ["inductor", "inductor"]  # the fused block and the block alone
     assert selection.decisions[0].signature.compiler == "inductor:default"
     assert selection.decisions[0].chosen == "conv_bn_act"
@@ -305,7 +322,8 @@ class BlockModule(L.LightningModule):
 
 def _loader(n: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)), batch_size=4)
+    data = TensorDataset(torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return DataLoader(data, batch_size=4)
 
 
 def _trainer(**kwargs) -> L.Trainer:
@@ -347,9 +365,9 @@ def test_trainer_selects_at_the_first_forward_and_logs_the_decisions(auto_as_on_
     logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
     with caplog.at_level(logging.INFO):
         # The first forward is the sanity check: eval mode, under inference_mode; training is what is timed.
-        _trainer(strategy=strategy, num_sanity_val_steps=1, logger=logger, callbacks=[TrainingMonitor(log_every_n_steps=1)]).fit(
-            module, _loader(), _loader(4)
-        )
+        monitor = TrainingMonitor(log_every_n_steps=1)
+        trainer = _trainer(strategy=strategy, num_sanity_val_steps=1, logger=logger, callbacks=[monitor])
+        trainer.fit(module, _loader(), _loader(4))
     assert len(clock.calls) == 4  # one selection, two signatures, two sides each
     decisions = strategy.kernel_decisions
     assert [(d.path, d.chosen) for d in decisions] == [("net.0", "conv_bn_act"), ("net.1", "eager")]
@@ -357,7 +375,8 @@ def test_trainer_selects_at_the_first_forward_and_logs_the_decisions(auto_as_on_
     assert module.rewritten_in_training == [["net.0"], ["net.0"]]
     assert not strategy.compile_stats.fell_back and strategy.compile_stats.graph_breaks == 0
     assert substituted_modules(module) == []  # restored after fit
-    assert "measuring 2 block signature(s)" in caplog.text and "measured 2 block signature(s) in" in caplog.text
+    assert "measuring 2 block signature(s)" in caplog.text
+    assert "measured 2 block signature(s) in" in caplog.text
     assert "net.1" in caplog.text and "1.3x" in caplog.text  # the table
 
     acc = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
@@ -403,7 +422,9 @@ class ResNetModule(L.LightningModule):
 
 
 @pytest.mark.parametrize("call_forward_directly", [False, True], ids=["self(x)", "self.forward(x)"])
-def test_regional_compile_selects_before_any_block_is_traced(call_forward_directly, auto_as_on_cuda, reference_ops):
+def test_regional_compile_selects_before_any_block_is_traced(
+    call_forward_directly, auto_as_on_cuda, reference_ops
+):
     clock = auto_as_on_cuda
     clock.default = (1.0, 1.2)  # every block measured is kept
     module = ResNetModule(call_forward_directly)
@@ -422,7 +443,14 @@ def test_regional_compile_selects_before_any_block_is_traced(call_forward_direct
     _trainer(strategy=strategy, num_sanity_val_steps=0).fit(module, data)
     assert clock.calls
     assert module.rewritten_in_training == [blocks, blocks]  # the stem's ResNet rewrite holds the rest: eager
-    # Blocks are measured on copies without the compiler's wrappers (or their gradients would go to the model's
-    # blocks), and the recording forward compiled nothing (else training would recompile for grad mode).
+    # Blocks are measured on copies without the compiler's wrappers (or their gradients would go to the
+    # model's blocks); the recording forward compiled nothing (else training would recompile for grad mode).
     assert all(d.correct for d in strategy.kernel_decisions if d.signature is not None)
     assert not [r for r in strategy.compile_stats.recompile_reasons if "grad_mode" in r]
+
+
+def test_validate_alone_times_the_forward_in_eval_mode(auto_as_on_cuda):
+    strategy = CompiledStrategy(backend="eager")
+    _trainer(strategy=strategy).validate(BlockModule(), _loader(4))
+    assert {d.signature.mode for d in strategy.kernel_decisions} == {"eval"}
+    assert [d.chosen for d in strategy.kernel_decisions] == ["conv_bn_act", "eager"]
