@@ -59,8 +59,8 @@ __all__ = [
     "select_kernels",
 ]
 
-#: A fused block must beat Inductor alone by this factor to be kept: below it, the gain is within the noise
-#: of a measurement and not worth an extra kernel in the graph.
+#: A fused block must beat Inductor alone by this factor to be kept: a smaller gain is within run-to-run
+#: noise, and would not pay for a kernel of ours in the graph where Inductor's would do.
 MIN_SPEEDUP = 1.05
 
 #: A rewritten module holding more rewritten modules than this (a whole ResNet, whose stem is a chain) is a
@@ -131,9 +131,12 @@ def select_kernels(
     tensor or a tuple of positional arguments) must already be on their device and in their memory format;
     call it inside ``torch.autocast(...)`` to measure the autocast dtype. ``kernels`` limits the candidate
     kinds (default: all); ``training`` times forward+backward in train mode (else forward in eval mode);
-    ``config`` gives the backend/mode/options both sides are compiled with (default: Inductor).
+    ``config`` gives the backend/mode/options both sides are compiled with (default: Inductor). Under
+    ``torch.distributed`` every rank must call it: rank 0 measures, the others take its decisions.
     """
     config = config if config is not None else CompileConfig()
+    if isinstance(kernels, str):
+        kernels = [kernels]
     kinds = frozenset(KNOWN_KERNELS) if kernels is None else frozenset(kernels)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     report = apply_substitutions(model, kinds)

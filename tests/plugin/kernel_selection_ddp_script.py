@@ -1,4 +1,4 @@
-"""Run by test_kernel_selection.py: one of two gloo ranks running ``select_kernels`` with its own fake clock.
+"""Run by test_kernel_selection_trainer.py: one of two gloo ranks running ``select_kernels`` with its own fake clock.
 
 Rank 0's clock finds block "0" faster fused and block "1" slower; rank 1's clock says the opposite. The ranks
 must end with rank 0's decisions (and rank 1 must never be asked), or DDP would run two different graphs.
@@ -7,27 +7,22 @@ must end with rank 0's decisions (and rank 1 must never be asked), or DDP would 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-import lightning_plugin  # noqa: F401
-from lightning_plugin import CompileConfig
-from lightning_plugin.kernel_selection import select_kernels
-from lightning_plugin.substitution import substituted_modules
-
-
-def conv_block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+sys.path.insert(0, os.path.dirname(__file__))
+from lightning_plugin.substitution import substituted_modules  # noqa: E402
+from selection_helpers import chain, select  # noqa: E402
 
 
 def main(rank: int, port: str, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(rank)  # different weights and inputs per rank: only the decisions are shared
-    model = nn.Sequential(*(conv_block(a, b) for a, b in ((3, 4), (4, 5))))
+    model = chain(3, 4, 5)
     calls = []
 
     def clock(step, *, arm, signature, device):
@@ -38,10 +33,7 @@ def main(rank: int, port: str, out: Path) -> None:
             return 1.0
         return 1.5 if fused_wins else 0.5
 
-    selection = select_kernels(
-        model, torch.randn(2, 3, 6, 6), config=CompileConfig(backend="eager"), timer=clock,
-        cache_dir=str(out / f"cache{rank}"),
-    )
+    selection = select(model, torch.randn(2, 3, 6, 6), clock, out / f"cache{rank}")
     (out / f"rank{rank}.json").write_text(json.dumps({
         "chosen": [d.chosen for d in selection.decisions],
         "rewritten": substituted_modules(model),
