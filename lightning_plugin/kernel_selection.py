@@ -195,19 +195,14 @@ def run_selection(
     """
     if not report.replacements:  # e.g. float64 training: nothing was rewritten, on any rank
         return []
+    inputs = tuple(root_inputs)
+    job = _Job(root, report, forward, inputs, device, training, compile_fn, compiler, timer, cache)
     devices = []
     if device.type == "cuda":
         devices = [device.index if device.index is not None else torch.cuda.current_device()]
     # Lightning's validation (the sanity check) runs under inference_mode; measuring needs autograd.
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=devices):
-        if _world_size() > 1:
-            decisions = _decide_on_rank_zero(
-                root, report, forward, root_inputs, device, training, compile_fn, compiler, timer, cache
-            )
-        else:
-            decisions = _decide(
-                root, report, forward, root_inputs, device, training, compile_fn, compiler, timer, cache
-            )
+        decisions = _decide_on_rank_zero(job) if _world_size() > 1 else _decide(job)
     _keep_chosen(root, report, decisions)
     return decisions
 
@@ -331,22 +326,28 @@ class AutoKernelSelection:
 # Deciding
 
 
-def _decide(
-    root: nn.Module,
-    report: SubstitutionReport,
-    forward: Callable[[], Any],
-    root_inputs: Sequence[Any],
-    device: torch.device,
-    training: bool,
-    compile_fn: Compile,
-    compiler: str,
-    timer: StepTimer,
-    cache: DecisionCache | None,
-) -> list[KernelDecision]:
+@dataclass(frozen=True)
+class _Job:
+    """The arguments of :func:`run_selection`, as the rank that decides needs them."""
+
+    root: nn.Module
+    report: SubstitutionReport
+    forward: Callable[[], Any]
+    root_inputs: tuple[Any, ...]
+    device: torch.device
+    training: bool
+    compile_fn: Compile
+    compiler: str
+    timer: StepTimer
+    cache: DecisionCache | None
+
+
+def _decide(job: _Job) -> list[KernelDecision]:
     started = time.perf_counter()
-    reps = list(report.replacements)
+    training, compiler, cache = job.training, job.compiler, job.cache
+    reps = list(job.report.replacements)
     nested = {id(rep): _nested_in(rep, reps) for rep in reps}
-    inputs = _record_block_inputs(root, reps, forward, root_inputs)
+    inputs = _record_block_inputs(job.root, reps, job.forward, job.root_inputs)
     decisions: dict[int, KernelDecision] = {}
     groups: dict[str, list[Replacement]] = {}
     signatures: dict[int, BlockSignature] = {}
@@ -363,7 +364,7 @@ def _decide(
             signatures[id(rep)] = signature
             groups.setdefault(signature.key, []).append(rep)
 
-    fingerprint = machine_fingerprint(device)
+    fingerprint = machine_fingerprint(job.device)
     found = {
         key: Measurement.from_json(entry)
         for key, entry in (cache.lookup(fingerprint, list(groups)) if cache is not None else {}).items()
@@ -386,8 +387,8 @@ def _decide(
                 inputs[id(rep)],
                 signatures[id(rep)],
                 training=training,
-                compile_fn=compile_fn,
-                timer=timer,
+                compile_fn=job.compile_fn,
+                timer=job.timer,
             )
         except Exception as err:  # a block that cannot be measured stays eager; the others are still decided
             first_line = (str(err).strip().splitlines() or [""])[0]
@@ -511,13 +512,13 @@ def _spec_of(value: Any, model_inputs: set[int]) -> Any:
     return value
 
 
-def _decide_on_rank_zero(*args: Any) -> list[KernelDecision]:
+def _decide_on_rank_zero(job: _Job) -> list[KernelDecision]:
     """Rank 0 decides, every rank receives the same decisions (an error on rank 0 is raised on all ranks)."""
     payload: list[Any] = [None]
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
-            payload[0] = ("decisions", _decide(*args))
+            payload[0] = ("decisions", _decide(job))
         except Exception as err:
             error = err
             payload[0] = ("error", f"{type(err).__name__}: {err}")

@@ -1,4 +1,5 @@
-"""Run by test_kernel_selection_trainer.py: one of two gloo ranks running ``select_kernels`` with its own fake clock.
+"""Run by test_kernel_selection_trainer.py: one of two gloo ranks running ``select_kernels``, each with its
+own fake clock.
 
 Rank 0's clock finds block "0" faster fused and block "1" slower; rank 1's clock says the opposite. The ranks
 must end with rank 0's decisions (and rank 1 must never be asked), or DDP would run two different graphs.
