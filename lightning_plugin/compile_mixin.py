@@ -54,6 +54,12 @@ class CompiledStrategyMixin:
     def is_compiled(self) -> bool:
         return self._compiler.is_compiled
 
+    @property
+    def kernel_decisions(self) -> list[Any]:
+        """With ``kernels="auto"``: a ``KernelDecision`` per rewritten block (what was chosen, the measured
+        ratio, whether it matched eager), available once the first forward has run the selection."""
+        return self._compiler.kernel_decisions
+
     def substituted_blocks(self) -> list[Any]:
         """The kernel substitutions applied to the model (``Replacement`` records), if any."""
         report = self._compiler.substitution_report
@@ -73,6 +79,13 @@ class CompiledStrategyMixin:
             report = self._compiler.substitution_report
             if report is not None:
                 rank_zero_info(report.summary())
+            if self._compiler.selection_pending:
+                from lightning_plugin.kernel_selection import MIN_SPEEDUP
+
+                rank_zero_info(
+                    "kernels='auto': these rewrites are candidates; the first forward measures each against "
+                    f"Inductor alone and keeps only the correct ones at least {MIN_SPEEDUP}x faster"
+                )
 
     def _restore_lightning_module(self) -> None:
         self._compiler.restore(self.lightning_module)  # type: ignore[attr-defined]

@@ -9,11 +9,12 @@ gives whole graphs with zero breaks. Patching the instance attribute ``forward``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ class ModuleCompiler:
         self.stats = CompileStats()
         self._patched: list[_PatchedForward] = []
         self._substitution_report: Any = None
+        self._selection: Any = None  # an AutoKernelSelection with kernels="auto"
+        self._targets: list[nn.Module] = []
+        self._backend: Callable[..., Any] | None = None
         self._use_eager = False
 
     @property
@@ -60,6 +64,15 @@ class ModuleCompiler:
     def substitution_report(self) -> Any:
         """The ``SubstitutionReport`` of the last compile, or ``None`` when no kernels were substituted."""
         return self._substitution_report
+
+    @property
+    def kernel_decisions(self) -> list[Any]:
+        """A ``KernelDecision`` per rewritten block, once ``kernels="auto"`` has measured (first forward)."""
+        return list(self._selection.decisions) if self._selection is not None else []
+
+    @property
+    def selection_pending(self) -> bool:
+        return self._selection is not None and self._selection.pending
 
     def compile(self, module: nn.Module, device: torch.device) -> bool:
         """Compile ``module`` in place; return False when it was left alone (already compiled)."""
@@ -81,9 +94,22 @@ class ModuleCompiler:
 
             self._substitution_report = apply_substitutions(module, kinds)
             log.info("Kernel substitutions:\n%s", self._substitution_report.summary())
+        self._selection = None
+        if kinds and self.config.kernels == "auto":
+            from lightning_plugin.kernel_selection import AutoKernelSelection
+
+            self._selection = AutoKernelSelection(
+                module,
+                self._substitution_report,
+                self.config,
+                device,
+                uncompiled=functools.partial(self._uncompiled, module),
+                prepare_args=_channels_last_args if self.config.channels_last else tuple,
+                on_finish=self.stats.start,  # the measurement's compiles are not the model's
+            )
         self.stats.start()
         self._use_eager = False
-        backend = make_backend(
+        self._backend = make_backend(
             self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats
         )
         targets = find_repeated_blocks(module) if self.config.regional else []
@@ -93,23 +119,43 @@ class ModuleCompiler:
                 "compiling its whole forward instead.",
                 stacklevel=2,
             )
-        for target in targets or [module]:
-            self._patch(target, backend, to_channels_last=self.config.channels_last and target is module)
+        self._targets = targets or [module]
+        self._patch_targets(module)
         return True
 
     def restore(self, module: nn.Module | None = None) -> None:
         """Undo :meth:`compile`: original forwards back, substituted kernels reverted."""
+        self._unpatch_targets()
+        if self._selection is not None:
+            self._selection.close()
+        if self._substitution_report is not None and module is not None:
+            from lightning_plugin.substitution import undo_substitutions
+
+            undo_substitutions(module, self._substitution_report)
+        self._substitution_report = None
+
+    def _patch_targets(self, root: nn.Module) -> None:
+        for target in self._targets:
+            assert self._backend is not None
+            self._patch(target, self._backend, to_channels_last=self.config.channels_last and target is root)
+
+    def _unpatch_targets(self) -> None:
         for patched in reversed(self._patched):
             if patched.previous is _MISSING:
                 patched.module.__dict__.pop("forward", None)
             else:
                 patched.module.forward = patched.previous
         self._patched.clear()
-        if self._substitution_report is not None and module is not None:
-            from lightning_plugin.substitution import undo_substitutions
 
-            undo_substitutions(module, self._substitution_report)
-        self._substitution_report = None
+    @contextlib.contextmanager
+    def _uncompiled(self, root: nn.Module) -> Iterator[None]:
+        """The module's own forwards while ``kernels="auto"`` measures and undoes rewrites (its copies and
+        undos must not meet our wrappers), then fresh wrappers over the forwards it left. Nothing was traced."""
+        self._unpatch_targets()
+        try:
+            yield
+        finally:
+            self._patch_targets(root)
 
     def _patch(self, target: nn.Module, backend: Callable[..., Any], to_channels_last: bool) -> None:
         previous = target.__dict__.get("forward", _MISSING)
@@ -126,7 +172,11 @@ class ModuleCompiler:
         @functools.wraps(eager)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if to_channels_last:
-                args = tuple(_channels_last(a) for a in args)
+                args = _channels_last_args(args)
+            if self._selection is not None:
+                self._selection.before_compiled_call(target, args, kwargs)
+                if target.__dict__.get("forward") is not forward:  # replaced while the selection ran
+                    return target.forward(*args, **kwargs)
             if self._use_eager or (not config.compile_eval and not target.training):
                 return eager(*args, **kwargs)
             try:
@@ -194,6 +244,10 @@ def find_repeated_blocks(root: nn.Module) -> list[nn.Module]:
 
 def _is_torch_builtin(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.")
+
+
+def _channels_last_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_channels_last(a) for a in args)
 
 
 def _channels_last(value: Any) -> Any:

@@ -37,6 +37,11 @@ class TorchCompile(Callback):
     def compile_stats(self) -> CompileStats:
         return self._compiler.stats
 
+    @property
+    def kernel_decisions(self) -> list[Any]:
+        """With ``kernels="auto"``: the measured decision per rewritten block (see ``kernel_selection``)."""
+        return self._compiler.kernel_decisions
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, CompiledStrategyMixin):

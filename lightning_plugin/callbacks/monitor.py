@@ -146,6 +146,7 @@ class TrainingMonitor(Callback):
         self._recompiles_logged = 0
         self._graphs_text = 0
         self._fallback_logged = False
+        self._decisions_logged = 0
         self._max_batch_size = 0
         self._reset_window()
 
@@ -325,6 +326,10 @@ class TrainingMonitor(Callback):
                 "compile/fallback", str(getattr(stats, "fallback_reason", "fell back to eager")), step
             )
             self._fallback_logged = True
+        decisions = _kernel_decisions(trainer)
+        if decisions and (force or len(decisions) != self._decisions_logged):
+            writer.add_text("compile/kernel_decisions", _decision_table(decisions), step)
+            self._decisions_logged = len(decisions)
 
     def _log_image_grid(self, trainer: pl.Trainer, batch: Any) -> None:
         writer = _tensorboard_writer(trainer)
@@ -364,6 +369,8 @@ class TrainingMonitor(Callback):
             for name in ("backend", "mode", "fullgraph", "dynamic", "regional", "fallback"):
                 value = getattr(config, name, None)
                 params[f"compile/{name}"] = getattr(value, "__name__", value)
+            kernels = getattr(config, "kernels", None)
+            params["compile/kernels"] = kernels if isinstance(kernels, str) else ",".join(sorted(kernels))
         metrics = {
             f"final/{k}": float(v)
             for k, v in trainer.callback_metrics.items()
@@ -372,6 +379,10 @@ class TrainingMonitor(Callback):
         stats = _compile_stats(trainer)
         if stats is not None:
             metrics.update({f"final/compile_{k}": float(v) for k, v in stats.as_dict().items()})
+        decisions = _kernel_decisions(trainer)
+        if decisions:
+            metrics["final/kernel_blocks_fused"] = float(sum(d.fused for d in decisions))
+            metrics["final/kernel_blocks_candidates"] = float(len(decisions))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.log_hyperparams(params, metrics=metrics, step=trainer.global_step)
@@ -417,6 +428,28 @@ def _compile_stats(trainer: pl.Trainer) -> Any:
         if stats is not None:
             return stats
     return None
+
+
+def _kernel_decisions(trainer: pl.Trainer) -> list[Any]:
+    """``kernels="auto"``'s ``KernelDecision`` rows, from a strategy that exposes them; [] otherwise."""
+    for owner in _compilers(trainer):
+        decisions = getattr(owner, "kernel_decisions", None)
+        if decisions:
+            return list(decisions)
+    return []
+
+
+def _decision_table(decisions: list[Any]) -> str:
+    """Markdown: what ``kernels="auto"`` chose per block, the measured ratio (Inductor time / fused time)."""
+    lines = ["| block | chosen | ratio | matches eager | why | signature |", "|---|---|---|---|---|---|"]
+    for d in decisions:
+        row = d.as_row()
+        ratio = f"{row['ratio']:.3g}x" if row["ratio"] is not None else "-"
+        correct = {True: "yes", False: "no", None: "-"}[row["correct"]]
+        why = row["reason"] + (" (cached)" if row["cached"] else "")
+        cells = [f"`{row['path']}`", row["chosen"], ratio, correct, why, f"`{row['signature']}`"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _compile_config(trainer: pl.Trainer) -> Any:
