@@ -93,14 +93,14 @@ def steps(data_zip: str | None = None) -> list[Step]:
                   "--batch", "2", "--size", "16", "--no-norm", "--variant-seconds", "2"]
     return [
         Step("correctness", ["benchmarks/op_correctness.py"], 60, ["benchmarks/op_correctness.py", "--tiny"]),
-        Step("conv", ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"], 120,
+        Step("conv", ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"], 90,
              ["benchmarks/conv.py", "--tiny", "--dtype", "fp32", "--compile-backend", "eager", "--layers",
               "layer1_1x1_reduce", "airbench_g2_conv2", "--warmup", "0", "--repeats", "1", "--case-seconds", "1"]),
-        Step("norms", ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"], 45,
+        Step("norms", ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"], 30,
              ["benchmarks/resnet_train.py", "--tiny", "--no-train", "--no-compile", "--warmup", "0",
               "--repeats", "1", "--case-seconds", "1"]),
         Step("resnet50_train", ["benchmarks/resnet_train.py", "--no-norm", "--variants", "eager", "ours_auto",
-                                "compile", "ours_none", "ours_all", "--warmup", "5", "--repeats", "3"], 150,
+                                "compile", "ours_none", "ours_all", "--warmup", "5", "--repeats", "3"], 180,
              ["benchmarks/resnet_train.py", *tiny_train, "--variants", "eager", "ours_all", "compile"]),
         Step("gpu_tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
                            "--timeout", "120"], 60,
@@ -258,6 +258,8 @@ def main() -> None:
     budget = args.budget or (DRY_RUN_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S)
     deadline = started + budget
     env = {**os.environ, "PYTHONUNBUFFERED": "1", STREAM_ENV: stream_path, RESULTS_DIR_ENV: results_dir,
+           # kernels="auto" measures afresh (its per-block ratios are results), never from an old cache
+           "LCV_KERNEL_CACHE_DIR": os.path.join(work, "kernel-cache"),
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     if not args.dry_run:
         env.pop("TRITON_INTERPRET", None)

@@ -158,9 +158,12 @@ def train_variant(
     warmup_s = time.perf_counter() - t0
     ms = time_ms(window, 0, args.repeats)
     compiler = getattr(model, "_bench_compiler", None)
+    decisions = [d.as_row() for d in compiler.kernel_decisions] if compiler is not None else []
     return {
         "variant": name,
         "graph_breaks": None if compiler is None else compiler.stats.graph_breaks,
+        "blocks_fused": sum(d["chosen"] != "eager" for d in decisions) if decisions else None,
+        "kernel_decisions": decisions,  # kernels="auto": per block, what was chosen and the measured ratio
         "images_per_s": args.batch * args.steps / (ms / 1e3),
         "ms_per_step": ms / args.steps,
         "warmup_s": warmup_s,
@@ -193,7 +196,14 @@ def bench_training(
             ref_row = next((r for r in rows if r["variant"] == ref and "images_per_s" in r), None)
             if ref_row is not None and "images_per_s" in row:
                 row[f"x_vs_{ref}"] = row["images_per_s"] / ref_row["images_per_s"]
+        decisions = row.pop("kernel_decisions", [])
         rows.append(stream.add(row))
+        for decision in decisions:  # one streamed row per block, after the variant's row
+            stream.add({"model": args.model, "variant": name, "kernel_decision": decision})
+        if decisions:
+            print(f"{name}: kernel selection per block", file=sys.stderr)
+            print_table(decisions, ["path", "kind", "chosen", "ratio", "correct", "cached", "reason"])
+            row["kernel_decisions"] = decisions  # kept in the final JSON
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -350,6 +360,7 @@ def main() -> None:
                 "x_vs_max_autotune",
                 "warmup_s",
                 "graph_breaks",
+                "blocks_fused",
                 "first_loss",
                 "error",
             ],
