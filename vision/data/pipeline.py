@@ -112,12 +112,15 @@ class Pipeline:
             source = images
             n = index.shape[0] if index is not None else images.shape[0]
             height, width = int(images.shape[-2]), int(images.shape[-1])
-        if params is None:
-            generator = generator if generator is not None else torch.Generator().manual_seed(0)
-            params = self.sample(n, height, width, generator)
-        if len(params) != len(self.ops):
-            raise ValueError(f"Pipeline: got {len(params)} param dicts for {len(self.ops)} ops")
-        prepared = self._prepare(params, tuple(source.shape), n, index, source.device)
+        # Parameters and tables are made outside inference mode (Lightning evaluates in it): inference tensors
+        # would be new kinds of inputs to the compiled graph, compiling it a second time.
+        with torch.inference_mode(False), torch.no_grad():
+            if params is None:
+                generator = generator if generator is not None else torch.Generator().manual_seed(0)
+                params = self.sample(n, height, width, generator)
+            if len(params) != len(self.ops):
+                raise ValueError(f"Pipeline: got {len(params)} param dicts for {len(self.ops)} ops")
+            prepared = self._prepare(params, tuple(source.shape), n, index, source.device)
         index = index.to(source.device) if index is not None else None
         if not self.compile or self._compile_failed:
             return self._run_eager(source, prepared, index, targets)
@@ -180,6 +183,23 @@ class Pipeline:
         ops = self._step_ops()
         if not ops:
             return self._finish(x), targets
+        n = index.shape[0] if index is not None else x.shape[0]
+        chunk = max(2, torch.get_num_threads())
+        if (x.device.type == "cpu" and not self.mixes_targets and n > chunk
+                and self._output_pixels(x) >= _LARGE_OUTPUT):
+            # Large images: a few per call, one per thread, so that the kernels' intermediate planes stay in
+            # each core's cache (the whole batch's would go through memory: twice as slow on a 2-core CPU).
+            outs = []
+            for s in range(0, n, chunk):
+                rows = slice(s, s + chunk)
+                part = [{k: v[rows] for k, v in p.items()} for p in prepared]
+                sub = (x, index[rows]) if index is not None else (x[rows], None)
+                outs.append(self._run_segments(ops, sub[0], part, sub[1], None, ragged)[0])
+            return torch.cat(outs), targets
+        return self._run_segments(ops, x, prepared, index, targets, ragged)
+
+    def _run_segments(self, ops: list[BatchOp], x: Tensor, prepared: list[Params], index: Tensor | None,
+                      targets: Tensor | None, ragged: bool) -> tuple[Tensor, Tensor | None]:
         for start, end, compiled in self._compiled_segments():
             if compiled is not None:
                 x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0)
