@@ -26,20 +26,26 @@ from vision.data.ops import BatchOp, Params
 BACKEND: str | Callable[..., Any] = "inductor"
 _ids = itertools.count()
 
-RunOps = Callable[[Any, list[Params], Tensor | None, Tensor | None], tuple[Tensor, Tensor | None]]
+RunOps = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 def ops_runner(ops: Sequence[BatchOp], finish: Callable[[Tensor], Tensor] | None) -> RunOps:
-    """``run(x, params, index, targets) -> (x, targets)``: the ops' ``apply`` in order; the first gets
-    ``index`` (the batch's rows of a store) when given; ``finish`` converts the last op's output."""
+    """``run(x, params, index, targets, out=None) -> (x, targets)``: the ops' ``apply`` in order; the first
+    gets ``index`` (the batch's rows of a store) when given; ``finish`` converts the last op's output, which
+    is written into ``out`` when given (compiled, the last kernel stores straight into it)."""
 
-    def run(x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None
-            ) -> tuple[Tensor, Tensor | None]:
+    def run(x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None,
+            out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         for i, (op, p) in enumerate(zip(ops, params)):
             x = op.apply(x, p, index=index) if i == 0 and index is not None else op.apply(x, p)
             if targets is not None and op.mixes_targets:
                 targets = op.apply_targets(targets, p)
-        return (finish(x) if finish is not None else x), targets
+        if finish is not None:
+            x = finish(x)
+        if out is not None:
+            out.copy_(x)
+            x = out
+        return x, targets
 
     return run
 
@@ -63,12 +69,15 @@ class CompiledOps:
         self._compiled = torch.compile(_own_code(run, name), backend=BACKEND, dynamic=False, fullgraph=True)
 
     def __call__(self, x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None,
-                 ragged: bool) -> tuple[Tensor, Tensor | None]:
+                 ragged: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         n = index.shape[0] if index is not None else x.shape[0]
         if n == 1:  # run as two: sizes 0 and 1 are specialised, so a single sample would compile again
             x, params, index, targets = _doubled(x, params, index, targets)
-            out, targets = self(x, params, index, targets, ragged)
-            return out[:1], (targets[:1] if targets is not None else None)
+            y, targets = self(x, params, index, targets, ragged)
+            y, targets = y[:1], (targets[:1] if targets is not None else None)
+            return (out.copy_(y) if out is not None else y), targets
+        if out is not None:
+            torch._dynamo.mark_dynamic(out, 0)
         for p in params:
             for t in p.values():
                 if t.ndim:
@@ -82,7 +91,7 @@ class CompiledOps:
                 torch._dynamo.maybe_mark_dynamic(x, 3)
         if targets is not None:
             torch._dynamo.mark_dynamic(targets, 0)
-        return self._compiled(x, params, index, targets)
+        return self._compiled(x, params, index, targets, out)
 
 
 def _doubled(x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None

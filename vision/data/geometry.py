@@ -339,7 +339,7 @@ class _Resample(BatchOp):
         if "y0" not in params:  # called directly, not by a Pipeline
             params = self.prepare(params, _shape_of(canvas))
         taps = {k: params[k].to(canvas.device) for k in ("y0", "y1", "wy", "x0", "x1", "wx")}
-        return torch.stack(resample(canvas, taps), dim=1)
+        return resample(canvas, taps)
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size

@@ -184,28 +184,31 @@ class Pipeline:
         if not ops:
             return self._finish(x), targets
         n = index.shape[0] if index is not None else x.shape[0]
-        chunk = max(2, torch.get_num_threads())
+        chunk = 4 * torch.get_num_threads()
         if (x.device.type == "cpu" and not self.mixes_targets and n > chunk
                 and self._output_pixels(x) >= _LARGE_OUTPUT):
-            # Large images: a few per call, one per thread, so that the kernels' intermediate planes stay in
+            # Large images: a few per call and thread, so that the kernels' intermediate planes stay in
             # each core's cache (the whole batch's would go through memory: twice as slow on a 2-core CPU).
-            outs = []
+            out = self._empty_output(n, x)
             for s in range(0, n, chunk):
                 rows = slice(s, s + chunk)
                 part = [{k: v[rows] for k, v in p.items()} for p in prepared]
                 sub = (x, index[rows]) if index is not None else (x[rows], None)
-                outs.append(self._run_segments(ops, sub[0], part, sub[1], None, ragged)[0])
-            return torch.cat(outs), targets
+                self._run_segments(ops, sub[0], part, sub[1], None, ragged, out[rows])
+            return out, targets
         return self._run_segments(ops, x, prepared, index, targets, ragged)
 
     def _run_segments(self, ops: list[BatchOp], x: Tensor, prepared: list[Params], index: Tensor | None,
-                      targets: Tensor | None, ragged: bool) -> tuple[Tensor, Tensor | None]:
+                      targets: Tensor | None, ragged: bool, out: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor | None]:
         for start, end, compiled in self._compiled_segments():
+            last = end == len(ops)
             if compiled is not None:
-                x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0)
+                x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0,
+                                      out if last else None)
             else:
-                x, targets = ops_runner(ops[start:end], self._finish if end == len(ops) else None)(
-                    x, prepared[start:end], index, targets)
+                x, targets = ops_runner(ops[start:end], self._finish if last else None)(
+                    x, prepared[start:end], index, targets, out if last else None)
             index = None
         return x, targets
 
@@ -221,16 +224,18 @@ class Pipeline:
                 return out, targets
         return ops_runner(ops, self._finish)(source, prepared, index, targets)
 
-    def _output_pixels(self, source: Tensor) -> int:
+    def _output_size(self, source: Tensor) -> tuple[int, int]:
         height, width = int(source.shape[-2]), int(source.shape[-1])
         for op in self.ops:
             height, width = op.output_size(height, width)
-        return int(height) * int(width)
+        return int(height), int(width)
+
+    def _output_pixels(self, source: Tensor) -> int:
+        height, width = self._output_size(source)
+        return height * width
 
     def _empty_output(self, n: int, source: Tensor) -> Tensor:
-        height, width = int(source.shape[-2]), int(source.shape[-1])
-        for op in self.ops:
-            height, width = op.output_size(height, width)
+        height, width = self._output_size(source)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return torch.empty((n, source.shape[1], int(height), int(width)), dtype=self.dtype, device=source.device,
                            memory_format=fmt)

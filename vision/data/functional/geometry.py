@@ -127,29 +127,24 @@ def resample_tables(top: Tensor, left: Tensor, height: Tensor, width: Tensor, si
     return {"y0": y0, "y1": y1, "wy": wy, "x0": x0, "x1": x1, "wx": wx}
 
 
-def resample(images: Tensor, taps: dict[str, Tensor]) -> list[Tensor]:
-    """Bilinear resampling by :func:`resample_tables`: one float32 ``(N, h, w)`` plane per channel, in the
-    input's units.
+def resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
+    """Bilinear resampling by :func:`resample_tables`: float32 ``(N, C, h, w)`` in the input's units.
 
-    Per channel, four gathers at the taps, mixed along x and then along y.  Planes, not an ``(N, C, h, w)``
-    tensor, because every colour op after this reads a pixel's channels together: planes let the compiler
-    fuse all of them into one loop over pixels.
+    Four gathers at the taps, mixed along x and then along y, written as one expression over
+    ``(N, C, h, w)`` (no per-channel pieces to stack), so that the compiler fuses it with the ops after it.
     """
     y0, y1, wy, x0, x1, wx = (taps[k] for k in ("y0", "y1", "wy", "x0", "x1", "wx"))
-    n, oh, ow = y0.shape[0], y0.shape[1], x0.shape[1]
-    batch = torch.arange(n, device=images.device).view(n, 1, 1)
-    r0, r1 = y0.view(n, oh, 1), y1.view(n, oh, 1)
-    c0, c1 = x0.view(n, 1, ow), x1.view(n, 1, ow)
-    wx, wy = wx.view(n, 1, ow), wy.view(n, oh, 1)
-    planes = []
-    for c in range(images.shape[1]):
-        plane = images[:, c]
-        a, b = plane[batch, r0, c0].float(), plane[batch, r0, c1].float()
-        d, e = plane[batch, r1, c0].float(), plane[batch, r1, c1].float()
-        upper = a + (b - a) * wx
-        lower = d + (e - d) * wx
-        planes.append(upper + (lower - upper) * wy)
-    return planes
+    n, oh, ow, c = y0.shape[0], y0.shape[1], x0.shape[1], images.shape[1]
+    batch = torch.arange(n, device=images.device).view(n, 1, 1, 1)
+    channel = torch.arange(c, device=images.device).view(1, c, 1, 1)
+    r0, r1 = y0.view(n, 1, oh, 1), y1.view(n, 1, oh, 1)
+    c0, c1 = x0.view(n, 1, 1, ow), x1.view(n, 1, 1, ow)
+    wx, wy = wx.view(n, 1, 1, ow), wy.view(n, 1, oh, 1)
+    a, b = images[batch, channel, r0, c0].float(), images[batch, channel, r0, c1].float()
+    d, e = images[batch, channel, r1, c0].float(), images[batch, channel, r1, c1].float()
+    upper = a + (b - a) * wx
+    lower = d + (e - d) * wx
+    return upper + (lower - upper) * wy
 
 
 def random_resized_crop_params(
@@ -220,4 +215,4 @@ def resized_crop(images: Tensor, top: Tensor, left: Tensor, height: Tensor, widt
     """Bilinear resize of each per-sample box (may be fractional) to ``size``: float32 ``(N, C, h, w)``."""
     taps = resample_tables(top.cpu(), left.cpu(), height.cpu(), width.cpu(), size,
                            (int(images.shape[-2]), int(images.shape[-1])), None if flip is None else flip.cpu())
-    return torch.stack(resample(images, {k: v.to(images.device) for k, v in taps.items()}), dim=1)
+    return resample(images, {k: v.to(images.device) for k, v in taps.items()})
