@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from vision.data.functional._triton import use_resample_kernel
+
 BORDER_MODES = ("constant", "reflect", "symmetric", "edge")
 
 
@@ -134,6 +136,8 @@ def resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
     ``(N, C, h, w)`` (no per-channel pieces to stack), so that the compiler fuses it with the ops after it.
     """
     y0, y1, wy, x0, x1, wx = (taps[k] for k in ("y0", "y1", "wy", "x0", "x1", "wx"))
+    if use_resample_kernel(images):  # CUDA: our Triton kernel (see functional/_triton.py for why)
+        return torch.ops.lcv_data.resample_bilinear(images, y0, y1, wy, x0, x1, wx)
     n, oh, ow, c = y0.shape[0], y0.shape[1], x0.shape[1], images.shape[1]
     batch = torch.arange(n, device=images.device).view(n, 1, 1, 1)
     channel = torch.arange(c, device=images.device).view(1, c, 1, 1)
