@@ -35,6 +35,8 @@ from vision.data.functional.color import (
     adjust_saturation,
     color_jitter,
     hsv_to_rgb,
+    jitter_planes,
+    jitter_tables,
     rgb_to_hsv,
 )
 from vision.data.functional.geometry import resized_crop
@@ -220,12 +222,19 @@ def test_flip_folded_into_the_previous_op_is_exact(real_images, first):
     assert torch.equal(fused, unfused)
 
 
-def test_fused_colour_steps_equal_the_separate_ops(real_images):
-    """color_jitter's per-step affine maps equal brightness/contrast/saturation/hue applied one by one."""
+@pytest.mark.parametrize("form", ["eager", "step_tables"])
+def test_fused_colour_steps_equal_the_separate_ops(real_images, form):
+    """Both jitter algorithms equal brightness/contrast/saturation/hue applied one by one in each sample's
+    order: the eager one (per-step affine maps, hue on just its samples) and the compiled one (a fixed
+    sequence of 3 blends, hue, 3 blends, with per-sample coefficients)."""
     op = ColorJitter(0.5, 0.5, 0.5, 0.2, p=0.8)
     x = real_images[:24]
     p = op.sample(24, 32, 32, torch.Generator().manual_seed(5))
-    ours = op.apply(x, p)
+    if form == "eager":
+        ours = op.apply(x, p)
+    else:
+        tables = jitter_tables(*(p[k] for k in ("brightness", "contrast", "saturation", "hue", "order")))
+        ours = torch.stack(jitter_planes(x.float().unbind(1), tables), dim=1)
     fns = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
     keys = ("brightness", "contrast", "saturation", "hue")
     for i in range(24):

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from vision.data.functional.color import (
-    IMAGENET_MEAN, IMAGENET_STD, as_float, jitter_planes, jitter_tables, normalize, normalize_factors, rgb_to_gray,
+    IMAGENET_MEAN, IMAGENET_STD, as_float, color_jitter, jitter_planes, jitter_tables, normalize, normalize_factors,
+    rgb_to_gray,
 )
 from vision.data.ops import BatchOp, Params, bernoulli, check_p, uniform
 
@@ -80,11 +81,12 @@ class ColorJitter(BatchOp):
         return {**params, **{f"jitter_{k}": v for k, v in tables.items()}}
 
     def apply(self, images: Tensor, params: Params) -> Tensor:
-        if "jitter_f" not in params:  # called directly, not by a Pipeline
-            params = self.prepare(params, images.shape)
+        with_hue = self.hue != (0.0, 0.0)
+        if not torch.compiler.is_compiling():  # eagerly: skips per sample what it does not need
+            return color_jitter(images, *(params[k] for k in ("brightness", "contrast", "saturation", "hue", "order")),
+                                apply_hue=with_hue)
         tables = {k: params[f"jitter_{k}"].to(images.device) for k in _JITTER_TABLES}
-        planes = jitter_planes(as_float(images).unbind(1), tables, with_hue=self.hue != (0.0, 0.0))
-        return torch.stack(planes, dim=1)
+        return torch.stack(jitter_planes(as_float(images).unbind(1), tables, with_hue=with_hue), dim=1)
 
 
 class ToGray(BatchOp):

@@ -6,8 +6,8 @@ output in its final dtype and memory format.  Inductor fuses it into a few loops
 once and write the output once, where the eager ops materialise a float copy of the batch per op.
 
 One compile per pipeline and input/output size: the batch dimension of every input is marked dynamic
-(a batch of one is run as two, because PyTorch specialises sizes 0 and 1), and so are the height and width
-of a ragged canvas, whose size changes from batch to batch.
+(a batch of one runs eagerly: PyTorch specialises sizes 0 and 1), and so are the height and width of a
+ragged canvas, whose size changes from batch to batch.
 """
 
 from __future__ import annotations
@@ -70,12 +70,6 @@ class CompiledOps:
 
     def __call__(self, x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None,
                  ragged: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        n = index.shape[0] if index is not None else x.shape[0]
-        if n == 1:  # run as two: sizes 0 and 1 are specialised, so a single sample would compile again
-            x, params, index, targets = _doubled(x, params, index, targets)
-            y, targets = self(x, params, index, targets, ragged)
-            y, targets = y[:1], (targets[:1] if targets is not None else None)
-            return (out.copy_(y) if out is not None else y), targets
         if out is not None:
             torch._dynamo.mark_dynamic(out, 0)
         for p in params:
@@ -92,14 +86,3 @@ class CompiledOps:
         if targets is not None:
             torch._dynamo.mark_dynamic(targets, 0)
         return self._compiled(x, params, index, targets, out)
-
-
-def _doubled(x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None
-             ) -> tuple[Tensor, list[Params], Tensor | None, Tensor | None]:
-    twice = lambda t: torch.cat((t, t)) if t.ndim else t  # noqa: E731
-    params = [{k: twice(v) for k, v in p.items()} for p in params]
-    if index is not None:
-        index = twice(index)
-    else:
-        x = twice(x)
-    return x, params, index, (twice(targets) if targets is not None else None)

@@ -122,21 +122,19 @@ class Pipeline:
                 raise ValueError(f"Pipeline: got {len(params)} param dicts for {len(self.ops)} ops")
             prepared = self._prepare(params, tuple(source.shape), n, index, source.device)
         index = index.to(source.device) if index is not None else None
-        if not self.compile or self._compile_failed:
+        if not self.compile or self._compile_failed or n == 1:
+            # A batch of one runs eagerly: PyTorch specialises sizes 0 and 1, so it would compile a second graph.
             return self._run_eager(source, prepared, index, targets)
         try:
             with torch.inference_mode(False), torch.no_grad():
-                return self._run_compiled(source, prepared, index, targets, ragged)
+                out, targets = self._run_compiled(source, prepared, index, targets, ragged)
         except Exception as compiled_error:
-            out = self._run_eager(source, prepared, index, targets)  # an error of the ops themselves raises here
+            out, targets = self._run_eager(source, prepared, index, targets)  # the ops' own errors raise here
             self._compile_failed = True
-            warnings.warn(
-                f"Pipeline: torch.compile failed ({type(compiled_error).__name__}: "
-                f"{str(compiled_error).strip().splitlines()[0] if str(compiled_error).strip() else ''}); "
-                "running this pipeline's ops eagerly from now on",
-                stacklevel=2,
-            )
-            return out
+            message = str(compiled_error).strip().splitlines()[0] if str(compiled_error).strip() else ""
+            warnings.warn(f"Pipeline: torch.compile failed ({type(compiled_error).__name__}: {message}); "
+                          "running this pipeline's ops eagerly from now on", stacklevel=2)
+        return out, targets
 
     # ------------------------------------------------------------------------------------------- planning
     def _prepare(self, params: list[Params], shape: tuple[int, ...], n: int, index: Tensor | None,

@@ -12,7 +12,7 @@ of seven steps (three blends, hue, three blends; see :func:`jitter_tables`), so 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -191,18 +191,78 @@ def jitter_planes(planes: Sequence[Tensor], tables: dict[str, Tensor], with_hue:
     return _run_steps(planes, tables, mean, with_hue)[0]
 
 
+def _where_samples(
+    images: Tensor, mask: Tensor, fn: Callable[..., Tensor], *args: Tensor, inplace: bool = False
+) -> Tensor:
+    """``fn`` applied only to the samples in ``mask``.
+
+    On CPU we compute just those samples (indexing is free there); on accelerators we compute the whole
+    batch and select, because finding the indices would force a device-to-host sync inside the loader.
+    """
+    if images.device.type == "cpu":
+        idx = mask.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return images
+        out = images if inplace else images.clone()
+        out[idx] = fn(images[idx], *(a[idx] for a in args))
+        return out
+    return torch.where(mask.view(-1, 1, 1, 1), fn(images, *args), images)
+
+
+def _blend_step(x: Tensor, op: Tensor, factors: Tensor) -> Tensor:
+    """One eager jitter step: brightness (``op`` 0), contrast (1), saturation (2) or nothing (3), per sample.
+
+    Each of the three is ``clip(f x + (1 - f) z)`` with ``z`` = 0, the mean gray level or the gray image,
+    i.e. one per-sample affine colour map ``clip(f x + s gray(x) + c)``; the whole batch does its step in one
+    pass over the 3 channels, whichever op each sample does (a sample doing hue at this step gets ``f = 1``).
+    ``x`` is a contiguous NCHW float tensor; returns a new one.
+    """
+    n, c = x.shape[:2]
+    idx = op.clamp(max=2).view(n, 1)
+    f = torch.where(op == 3, 1.0, factors.gather(1, idx).squeeze(1))
+    keep = 1.0 - f
+    is_contrast = (op == 1).to(x.dtype)
+    is_saturation = (op == 2).to(x.dtype)
+    if c == 1:  # saturation of a gray image is the identity
+        f = torch.where(op == 2, 1.0, f)
+        bias = keep * is_contrast * x.mean(dim=(1, 2, 3))
+        return torch.addcmul(bias.view(n, 1, 1, 1), x, f.view(n, 1, 1, 1)).clamp_(0.0, 255.0)
+    # y = s * gray(x) + c per pixel (one channel), then clip(f x + y): two passes over the 3 channels.
+    # On CPU, skip the parts no sample needs at this step (checking on a GPU would sync it).
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and not bool(is_saturation.any()):
+        y = torch.zeros((n, 1, 1, 1), dtype=x.dtype)
+    else:
+        y = rgb_to_gray(x).mul_((keep * is_saturation).view(n, 1, 1, 1))
+    if not on_cpu or bool(is_contrast.any()):
+        w = torch.tensor(GRAY_WEIGHTS, dtype=x.dtype, device=x.device)
+        mean_gray = x.mean(dim=(2, 3)) @ w
+        y.add_((keep * is_contrast * mean_gray).view(n, 1, 1, 1))
+    return torch.addcmul(y, x, f.view(n, 1, 1, 1)).clamp_(0.0, 255.0)
+
+
 def color_jitter(
     images: Tensor, brightness: Tensor, contrast: Tensor, saturation: Tensor, hue: Tensor, order: Tensor,
+    apply_hue: bool = True,
 ) -> Tensor:
-    """Brightness/contrast/saturation/hue with per-sample factors, each sample in its own ``order``.
+    """Brightness/contrast/saturation/hue with per-sample factors, each sample in its own ``order`` (eager).
 
     ``order`` is (N, 4) with a permutation of (0=brightness, 1=contrast, 2=saturation, 3=hue) per row.
-    Returns float32 in 0..255 units.
+    At each of the 4 steps the three blend-type ops run as one batched affine map (:func:`_blend_step`);
+    hue runs on just the samples whose step it is.  That skipping is what makes it fast eagerly and what a
+    compiler cannot trace: compiled pipelines run :func:`jitter_planes` instead (the same maps as a fixed
+    step sequence; tests check the two agree).  Returns float32 in 0..255 units, NCHW contiguous.
     """
-    x = as_float(images)
-    tables = jitter_tables(*(v.cpu() for v in (brightness, contrast, saturation, hue, order)))
-    tables = {k: v.to(x.device) for k, v in tables.items()}
-    return torch.stack(jitter_planes(x.unbind(1), tables), dim=1)
+    x = as_float(images).contiguous()
+    factors = torch.stack((brightness, contrast, saturation), dim=1).to(device=x.device, dtype=x.dtype)
+    order = order.to(x.device)
+    hue = hue.to(x.device)
+    for step in range(4):
+        op = order[:, step]
+        x = _blend_step(x, op, factors)
+        if apply_hue and x.shape[1] == 3:
+            x = _where_samples(x, op == 3, adjust_hue, hue, inplace=True)  # x is our own buffer
+    return x
 
 
 def normalize_factors(mean: Sequence[float], std: Sequence[float], max_pixel_value: float, channels: int,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vision.data.functional._triton import use_resample_kernel
@@ -132,12 +133,22 @@ def resample_tables(top: Tensor, left: Tensor, height: Tensor, width: Tensor, si
 def resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
     """Bilinear resampling by :func:`resample_tables`: float32 ``(N, C, h, w)`` in the input's units.
 
-    Four gathers at the taps, mixed along x and then along y, written as one expression over
-    ``(N, C, h, w)`` (no per-channel pieces to stack), so that the compiler fuses it with the ops after it.
+    Compiled: four gathers at the taps, mixed along x and then along y, written as one expression over
+    ``(N, C, h, w)`` so that the compiler fuses it with the ops after it.  Eagerly: ``grid_sample`` at the
+    same coordinates (one ATen kernel).  On CUDA: the Triton kernel of :mod:`vision.data.functional._triton`.
     """
     y0, y1, wy, x0, x1, wx = (taps[k] for k in ("y0", "y1", "wy", "x0", "x1", "wx"))
     if use_resample_kernel(images):  # CUDA: our Triton kernel (see functional/_triton.py for why)
         return torch.ops.lcv_data.resample_bilinear(images, y0, y1, wy, x0, x1, wx)
+    if not torch.compiler.is_compiling():  # eagerly, ATen's grid_sample does the same in one kernel
+        n, oh, ow = y0.shape[0], y0.shape[1], x0.shape[1]
+        return _grid_sample(images, (y0 + wy).view(n, oh, 1), (x0 + wx).view(n, 1, ow))
+    return gather_resample(images, taps)
+
+
+def gather_resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
+    """:func:`resample` as four gathers and two mixes over ``(N, C, h, w)`` (the compiled form)."""
+    y0, y1, wy, x0, x1, wx = (taps[k] for k in ("y0", "y1", "wy", "x0", "x1", "wx"))
     n, oh, ow, c = y0.shape[0], y0.shape[1], x0.shape[1], images.shape[1]
     batch = torch.arange(n, device=images.device).view(n, 1, 1, 1)
     channel = torch.arange(c, device=images.device).view(1, c, 1, 1)
@@ -149,6 +160,16 @@ def resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
     upper = a + (b - a) * wx
     lower = d + (e - d) * wx
     return upper + (lower - upper) * wy
+
+
+def _grid_sample(images: Tensor, ys: Tensor, xs: Tensor) -> Tensor:
+    """Bilinear samples at pixel coordinates ``ys`` (N, h, 1) and ``xs`` (N, 1, w), edge replicated."""
+    n, _, height, width = images.shape
+    gy = ((2 * ys + 1) / height - 1).expand(n, ys.shape[1], xs.shape[2])
+    gx = ((2 * xs + 1) / width - 1).expand(n, ys.shape[1], xs.shape[2])
+    src = images if images.dtype in (torch.float32, torch.float64) else images.float()
+    return F.grid_sample(src, torch.stack((gx, gy), dim=-1), mode="bilinear", padding_mode="border",
+                         align_corners=False)
 
 
 def random_resized_crop_params(
