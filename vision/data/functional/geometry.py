@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,21 +25,20 @@ from vision.data.functional._triton import use_resample_kernel
 BORDER_MODES = ("constant", "reflect", "symmetric", "edge")
 
 
-def map_border(idx: Tensor, size: int, mode: str) -> tuple[Tensor, Tensor | None]:
+def map_border(idx: np.ndarray, size: int, mode: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Map out-of-range indices back into ``[0, size)``; for ``constant`` also return the in-range mask."""
     if mode == "constant":
-        valid = (idx >= 0) & (idx < size)
-        return idx.clamp(0, size - 1), valid
+        return idx.clip(0, size - 1), (idx >= 0) & (idx < size)
     if mode == "edge":
-        return idx.clamp(0, size - 1), None
+        return idx.clip(0, size - 1), None
     if mode == "reflect":  # dcb|abcd|cba  (cv2.BORDER_REFLECT_101, torch "reflect")
         period = max(2 * size - 2, 1)
-        idx = idx.remainder(period)
-        return torch.where(idx >= size, period - idx, idx), None
+        idx = idx % period
+        return np.where(idx >= size, period - idx, idx), None
     # symmetric: cba|abcd|dcb  (cv2.BORDER_REFLECT)
     period = 2 * size
-    idx = idx.remainder(period)
-    return torch.where(idx >= size, period - 1 - idx, idx), None
+    idx = idx % period
+    return np.where(idx >= size, period - 1 - idx, idx), None
 
 
 def crop_tables(
@@ -49,19 +49,31 @@ def crop_tables(
     padded by ``padding`` = (left, top, right, bottom); ``flip`` (N,) bool mirrors the chosen crops.
 
     For ``constant`` padding also ``row_ok``/``col_ok``, the masks of rows and columns inside the image.
+    Built with numpy: a few small arrays per batch, where torch's per-op overhead would dominate.
     """
-    n = top.shape[0]
     (ch, cw), (height, width) = size, image_size
-    rows = top.long().view(n, 1) + torch.arange(ch).view(1, ch) - padding[1]
-    cols = left.long().view(n, 1) + torch.arange(cw).view(1, cw) - padding[0]
+    # Positions in the padded frame, mapped through a lookup of the frame's few columns and rows.
+    rows = top.numpy().astype(np.int64)[:, None] + np.arange(ch)[None, :]
+    cols = left.numpy().astype(np.int64)[:, None] + np.arange(cw)[None, :]
     if flip is not None:
-        cols = torch.where(flip.view(n, 1), cols.flip(1), cols)
-    rows, row_ok = map_border(rows, height, padding_mode)
-    cols, col_ok = map_border(cols, width, padding_mode)
-    tables = {"rows": rows, "cols": cols}
+        cols = np.where(flip.numpy()[:, None], cols[:, ::-1], cols)
+    row_map, row_in = map_border(np.arange(-padding[1], height + padding[3]), height, padding_mode)
+    col_map, col_in = map_border(np.arange(-padding[0], width + padding[2]), width, padding_mode)
+    row_ok = None if row_in is None else row_in[rows]
+    col_ok = None if col_in is None else col_in[cols]
+    rows, cols = row_map[rows], col_map[cols]
+    tables = {"rows": torch.from_numpy(np.ascontiguousarray(rows)), "cols": torch.from_numpy(np.ascontiguousarray(cols))}
     if row_ok is not None and col_ok is not None:
-        tables.update(row_ok=row_ok, col_ok=col_ok)
+        tables.update(row_ok=torch.from_numpy(row_ok), col_ok=torch.from_numpy(col_ok))
     return tables
+
+
+def _index(images: Tensor, indices: list[Tensor]) -> Tensor:
+    """``images[indices]`` for index tables that are in range by construction (built on the CPU by this
+    module): compiled, without a bounds check per pixel, which costs as much as the gather itself."""
+    if torch.compiler.is_compiling():
+        return torch.ops.aten._unsafe_index(images, indices)
+    return images[tuple(indices)]
 
 
 def gather_crop(images: Tensor, tables: dict[str, Tensor], fill: float = 0.0, index: Tensor | None = None) -> Tensor:
@@ -71,7 +83,7 @@ def gather_crop(images: Tensor, tables: dict[str, Tensor], fill: float = 0.0, in
     n, ch, cw = rows.shape[0], rows.shape[1], cols.shape[1]
     batch = index.view(n, 1, 1) if index is not None else torch.arange(n, device=images.device).view(n, 1, 1)
     # Advanced indexing on (N, H, W, C) gives (N, h, w, C) directly: permuting back makes it channels_last.
-    out = images.permute(0, 2, 3, 1)[batch, rows.view(n, ch, 1), cols.view(n, 1, cw)].permute(0, 3, 1, 2)
+    out = _index(images.permute(0, 2, 3, 1), [batch, rows.view(n, ch, 1), cols.view(n, 1, cw)]).permute(0, 3, 1, 2)
     if "row_ok" in tables:
         ok = tables["row_ok"].view(n, 1, ch, 1) & tables["col_ok"].view(n, 1, 1, cw)
         out = torch.where(ok, out, torch.tensor(fill, dtype=out.dtype, device=out.device))
@@ -155,8 +167,8 @@ def gather_resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
     r0, r1 = y0.view(n, 1, oh, 1), y1.view(n, 1, oh, 1)
     c0, c1 = x0.view(n, 1, 1, ow), x1.view(n, 1, 1, ow)
     wx, wy = wx.view(n, 1, 1, ow), wy.view(n, 1, oh, 1)
-    a, b = images[batch, channel, r0, c0].float(), images[batch, channel, r0, c1].float()
-    d, e = images[batch, channel, r1, c0].float(), images[batch, channel, r1, c1].float()
+    a, b = _index(images, [batch, channel, r0, c0]).float(), _index(images, [batch, channel, r0, c1]).float()
+    d, e = _index(images, [batch, channel, r1, c0]).float(), _index(images, [batch, channel, r1, c1]).float()
     upper = a + (b - a) * wx
     lower = d + (e - d) * wx
     return upper + (lower - upper) * wy
