@@ -17,6 +17,7 @@ from vision.data.functional.color import (
 from vision.data.ops import BatchOp, Params, bernoulli, check_p, uniform
 
 _JITTER_TABLES = ("f", "s", "m", "contrast_slot", "hue", "hue_on")
+_JITTER_PARAMS = ("brightness", "contrast", "saturation", "hue", "order")
 
 
 def _range(value: float | Sequence[float], name: str, center: float, lower_bound: float | None) -> tuple[float, float]:
@@ -77,14 +78,13 @@ class ColorJitter(BatchOp):
         }
 
     def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
-        tables = jitter_tables(*(params[k].cpu() for k in ("brightness", "contrast", "saturation", "hue", "order")))
+        tables = jitter_tables(*(params[k].cpu() for k in _JITTER_PARAMS))
         return {**params, **{f"jitter_{k}": v for k, v in tables.items()}}
 
     def apply(self, images: Tensor, params: Params) -> Tensor:
         with_hue = self.hue != (0.0, 0.0)
         if not torch.compiler.is_compiling():  # eagerly: skips per sample what it does not need
-            return color_jitter(images, *(params[k] for k in ("brightness", "contrast", "saturation", "hue", "order")),
-                                apply_hue=with_hue)
+            return color_jitter(images, *(params[k] for k in _JITTER_PARAMS), apply_hue=with_hue)
         tables = {k: params[f"jitter_{k}"].to(images.device) for k in _JITTER_TABLES}
         return torch.stack(jitter_planes(as_float(images).unbind(1), tables, with_hue=with_hue), dim=1)
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from vision.data.compiled import CompiledOps, RunOps, ops_runner
+from vision.data.compiled import CompiledOps, ops_runner
 from vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
 __all__ = ["BatchOp", "Params", "Pipeline", "RaggedBatch", "check_image_batch"]
@@ -139,7 +139,7 @@ class Pipeline:
     # ------------------------------------------------------------------------------------------- planning
     def _prepare(self, params: list[Params], shape: tuple[int, ...], n: int, index: Tensor | None,
                  device: torch.device) -> list[Params]:
-        """Per step: the params of its op and of the ops folded into it, turned into tables (CPU), on ``device``."""
+        """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on ``device``."""
         index_cpu = index.cpu() if index is not None else None
         prepared = []
         for step in self._steps:

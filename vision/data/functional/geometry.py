@@ -62,7 +62,8 @@ def crop_tables(
     row_ok = None if row_in is None else row_in[rows]
     col_ok = None if col_in is None else col_in[cols]
     rows, cols = row_map[rows], col_map[cols]
-    tables = {"rows": torch.from_numpy(np.ascontiguousarray(rows)), "cols": torch.from_numpy(np.ascontiguousarray(cols))}
+    tables = {"rows": torch.from_numpy(np.ascontiguousarray(rows)),
+              "cols": torch.from_numpy(np.ascontiguousarray(cols))}
     if row_ok is not None and col_ok is not None:
         tables.update(row_ok=torch.from_numpy(row_ok), col_ok=torch.from_numpy(col_ok))
     return tables
@@ -76,7 +77,8 @@ def _index(images: Tensor, indices: list[Tensor]) -> Tensor:
     return images[tuple(indices)]
 
 
-def gather_crop(images: Tensor, tables: dict[str, Tensor], fill: float = 0.0, index: Tensor | None = None) -> Tensor:
+def gather_crop(images: Tensor, tables: dict[str, Tensor], fill: float = 0.0, index: Tensor | None = None
+                ) -> Tensor:
     """The crops described by :func:`crop_tables`, in the input dtype, channels_last; ``index`` (N,) picks
     the batch out of a larger ``images`` store in the same gather."""
     rows, cols = tables["rows"], tables["cols"]
