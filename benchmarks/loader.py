@@ -1,17 +1,22 @@
-"""Loader throughput, images/s: our batched pipeline vs albumentations per sample in a DataLoader.
+"""Loader throughput, images/s: our compiled batched pipeline vs albumentations and torchvision v2 per sample in a
+DataLoader, and kornia batched, on the same ops and the same images.
 
-Same ops on both sides (ours is built from the very same ``A.Compose`` by ``from_albumentations``):
   cifar:    reflect-pad 4 + random crop 32 + horizontal flip + normalize, from uint8 in memory.
   imagenet: JPEG decode + random resized crop 224 + flip + colour jitter (0.4, 0.4, 0.4, 0.1) + normalize.
-Both sides get 2 CPU cores: albumentations as 2 DataLoader worker processes, ours as 2 torch threads (the
-pipeline runs chunks of the batch on 2 single-threaded workers; JPEGs are decoded by 2 loader threads).
+
+Every side gets 2 CPU cores: albumentations and torchvision v2 (uint8 tensors, ``antialias=False`` like
+OpenCV and us) as 2 DataLoader worker processes; ours and kornia as 2 torch threads in this process (JPEGs
+decoded by 2 threads one batch ahead; kornia, which needs float batches, gets ``uint8 / 255``).  Ours is built
+natively (``ours_cifar``/``ours_imagenet``); a test checks it equals ``from_albumentations`` of the composes.
 The JPEGs are real CIFAR-10 images (32x32) from the shared zip; ``--jpeg-size S`` re-encodes them upscaled
 to S x S (quality 90) so that decoding costs what it does on ImageNet-sized files.
 
-The two sides alternate (albumentations pass, our pass, ...) so that load from other processes hits both
-alike; each figure is the median of ``--repeats`` timed passes after a warm-up pass, and the ratio is the
-median of the per-repeat ratios.  GPU rows (ours on CUDA, torchvision v2 per sample, kornia when installed)
-run only when CUDA is available; otherwise "not measured on GPU".
+The sides alternate (one pass each, in turn, ``--repeats`` times) so that load from other processes hits all
+alike; each figure is the median of the timed passes after a warm-up pass (which includes our compile), and
+each ratio is the median of the per-repeat ratios.  ``--cpu-time`` adds the single-thread CPU time per image
+of the augmentation alone (no loader, no decode): albumentations, ours eager and ours compiled; thread CPU
+time barely moves when other processes share the cores.  GPU rows (ours on CUDA, torchvision v2 per sample,
+kornia) run only when CUDA is available; otherwise "not measured on GPU".
 
     python benchmarks/loader.py --cifar-images 8192 --jpeg-images 256 --repeats 5 --jpeg-size 0 256 --cpu-time
 """
@@ -140,6 +145,107 @@ def albumentations_missing() -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------- torchvision v2
+class _TorchvisionDataset(torch.utils.data.Dataset):
+    def __init__(self, items, transform, from_jpeg: bool):
+        self.items, self.transform, self.from_jpeg = items, transform, from_jpeg
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        import torchvision.io as tio
+
+        img = self.items[i]
+        if self.from_jpeg:
+            img = tio.decode_jpeg(torch.frombuffer(bytearray(img), dtype=torch.uint8), mode=tio.ImageReadMode.RGB)
+        return self.transform(img), 0
+
+
+def torchvision_side(items, transform, from_jpeg: bool, batch_size: int) -> Callable[[], int]:
+    dl = torch.utils.data.DataLoader(_TorchvisionDataset(items, transform, from_jpeg), batch_size=batch_size,
+                                     num_workers=2, persistent_workers=True, shuffle=True)
+    return lambda: count(dl)
+
+
+def tv_cifar():
+    import torchvision.transforms.v2 as T
+
+    return T.Compose([T.Pad(4, padding_mode="reflect"), T.RandomCrop(32), T.RandomHorizontalFlip(),
+                      T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)])
+
+
+def tv_imagenet():
+    import torchvision.transforms.v2 as T
+
+    return T.Compose([T.RandomResizedCrop(224, antialias=False), T.RandomHorizontalFlip(),
+                      T.ColorJitter(0.4, 0.4, 0.4, 0.1), T.ToDtype(torch.float32, scale=True),
+                      T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+
+
+# ------------------------------------------------------------------------------------------- kornia
+def kornia_missing() -> str | None:
+    try:
+        import kornia.augmentation  # noqa: F401
+    except ImportError as err:
+        return f"kornia not installed ({err}; pip install '.[bench]'); not measured"
+    return None
+
+
+def kornia_cifar(device: str = "cpu"):
+    import kornia.augmentation as K
+
+    return torch.nn.Sequential(K.RandomCrop((32, 32), padding=4, padding_mode="reflect"), K.RandomHorizontalFlip(),
+                               K.Normalize(torch.tensor(MEAN), torch.tensor(STD))).to(device)
+
+
+def kornia_imagenet(device: str = "cpu"):
+    import kornia.augmentation as K
+
+    return torch.nn.Sequential(
+        K.RandomResizedCrop((224, 224)), K.RandomHorizontalFlip(), K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0),
+        K.Normalize(torch.tensor((0.485, 0.456, 0.406)), torch.tensor((0.229, 0.224, 0.225)))).to(device)
+
+
+def kornia_side(images: torch.Tensor, aug, batch_size: int) -> Callable[[], int]:
+    """kornia on batches of the uint8 store (float 0..1, as it wants), shuffled like our loader."""
+
+    def run() -> int:
+        order = torch.randperm(len(images))
+        with torch.no_grad():
+            for s in range(0, len(images), batch_size):
+                aug(images[order[s: s + batch_size]].float().div_(255))
+        return len(images)
+
+    return run
+
+
+def kornia_jpeg_side(blobs: list[bytes], aug, batch_size: int) -> Callable[[], int]:
+    """kornia on JPEG batches decoded by 2 threads one batch ahead (all the same size here, so they stack)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torchvision.io as tio
+
+    pool = ThreadPoolExecutor(2)
+
+    def decode(b: bytes) -> torch.Tensor:
+        return tio.decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8), mode=tio.ImageReadMode.RGB)
+
+    def run() -> int:
+        order = torch.randperm(len(blobs)).tolist()
+        batches = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+        pending = [pool.submit(decode, blobs[i]) for i in batches[0]]
+        with torch.no_grad():
+            for b in range(len(batches)):
+                images = torch.stack([f.result() for f in pending])
+                if b + 1 < len(batches):
+                    pending = [pool.submit(decode, blobs[i]) for i in batches[b + 1]]
+                aug(images.float().div_(255))
+        return len(blobs)
+
+    return run
+
+
 # ------------------------------------------------------------------------------------------- ours
 def ours_cifar():
     """Our batched equivalent of ``alb_cifar()``, built without albumentations (tests check they agree)."""
@@ -183,38 +289,43 @@ def ours_jpeg_side(blobs: list[bytes], pipeline, batch_size: int) -> Callable[[]
 
 
 def cpu_time_rows(args) -> list[dict]:
-    """Single-thread CPU time per image of the augmentation alone (no loader, no decode), both sides.
+    """Single-thread CPU time per image of the augmentation alone (no loader, no decode): albumentations per
+    image, ours eager and ours compiled (after a compiling warm-up call) on the same batch.
 
     Thread CPU time is what the work costs, so it barely moves when other processes share the cores
-    (wall-clock throughput does); the wall-clock rows above include loading, decoding and parallelism.
+    (wall-clock throughput does); the wall-clock rows include loading, decoding and parallelism.
     """
     import albumentations  # noqa: F401
     import cv2
 
-    from vision.data import from_albumentations
+    from vision.data import Pipeline
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
     rows = []
     cifar = torch.from_numpy(decode_all(load_jpegs(512, 0))).permute(0, 3, 1, 2).contiguous()
-    small = torch.from_numpy(decode_all(load_jpegs(64, 0))).permute(0, 3, 1, 2).contiguous()
-    for name, compose, images in (("cifar pad-crop+flip+normalize", alb_cifar(), cifar),
-                                  ("RRC224+flip+jitter+normalize", alb_imagenet(), small)):
-        pipe = from_albumentations(compose)
+    big = torch.from_numpy(decode_all(load_jpegs(64, max(args.jpeg_size + [256])))).permute(0, 3, 1, 2).contiguous()
+    for name, compose, native, images in (("cifar pad-crop+flip+normalize", alb_cifar(), ours_cifar(), cifar),
+                                          ("RRC224+flip+jitter+normalize", alb_imagenet(), ours_imagenet(), big)):
+        eager, compiled = Pipeline(native.ops, compile=False), Pipeline(native.ops, compile=True)
         hwc = [im.permute(1, 2, 0).numpy().copy() for im in images]
-        ours, alb = [], []
-        for r in range(args.repeats + 1):
-            t = time.thread_time()
-            pipe(images, generator=torch.Generator().manual_seed(r))
-            ours.append(time.thread_time() - t)
+        times: dict[str, list[float]] = {"eager": [], "compiled": [], "albumentations": []}
+        for r in range(args.repeats + 1):  # the first pass (compile, caches) is not counted
+            for side, pipe in (("eager", eager), ("compiled", compiled)):
+                t = time.thread_time()
+                pipe(images, generator=torch.Generator().manual_seed(r))
+                times[side].append(time.thread_time() - t)
             t = time.thread_time()
             for im in hwc:
                 compose(image=im)
-            alb.append(time.thread_time() - t)
-        o, a = (statistics.median(v[1:]) / len(images) * 1e3 for v in (ours, alb))
-        rows.append({"pipeline": name, "ours_ms_per_img": round(o, 4), "albumentations_ms_per_img": round(a, 4),
-                     "ratio": round(a / o, 2)})
+            times["albumentations"].append(time.thread_time() - t)
+        ms = {k: statistics.median(v[1:]) / len(images) * 1e3 for k, v in times.items()}
+        rows.append({"pipeline": name, "albumentations_ms_per_img": round(ms["albumentations"], 4),
+                     "ours_eager_ms_per_img": round(ms["eager"], 4),
+                     "ours_compiled_ms_per_img": round(ms["compiled"], 4),
+                     "compiled_vs_albumentations": round(ms["albumentations"] / ms["compiled"], 2),
+                     "compiled_vs_eager": round(ms["eager"] / ms["compiled"], 2)})
     torch.set_num_threads(threads)
     return rows
 
@@ -247,13 +358,23 @@ def main() -> None:
     def record(name: str, rates: dict[str, list[float]]) -> None:
         ours = rates["ours"]
         row = {"pipeline": name, "device": "cpu", "ours_img_s": round(statistics.median(ours))}
-        if "albumentations" in rates:
-            alb = rates["albumentations"]
-            ratios = [o / a for o, a in zip(ours, alb)]
-            row.update({"albumentations_img_s": round(statistics.median(alb)),
-                        "ratio": round(statistics.median(ratios), 2),
-                        "ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}"})
+        for side, short in (("albumentations", "alb"), ("torchvision", "tv"), ("kornia", "kornia")):
+            if side in rates:
+                ratios = [o / a for o, a in zip(ours, rates[side])]
+                row[f"{side}_img_s"] = round(statistics.median(rates[side]))
+                row[f"vs_{short}"] = round(statistics.median(ratios), 2)
+                row[f"vs_{short}_range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
         stream.add(row)
+
+    no_tv = None
+    try:
+        import torchvision.transforms.v2  # noqa: F401
+    except ImportError as err:
+        no_tv = f"torchvision not installed ({err}); not measured"
+        stream.skip("torchvision v2 side", no_tv)
+    no_kornia = kornia_missing()
+    if no_kornia:
+        stream.skip("kornia side", no_kornia)
 
     if not args.skip_cifar and out_of_time(args.case_seconds):
         stream.skip("cifar pad-crop+flip+normalize", "deadline reached")
@@ -263,6 +384,10 @@ def main() -> None:
         sides = {"ours": ours_side(images, ours_cifar(), args.batch_size)}
         if not no_alb:
             sides["albumentations"] = albumentations_side(list(hwc), alb_cifar(), False, args.batch_size)
+        if not no_tv:
+            sides["torchvision"] = torchvision_side(list(images), tv_cifar(), False, args.batch_size)
+        if not no_kornia:
+            sides["kornia"] = kornia_side(images, kornia_cifar(), args.batch_size)
         record("cifar pad-crop+flip+normalize (uint8 in memory)", alternate(sides, args.repeats))
     for size in args.jpeg_size:
         label = f"{size}x{size}" if size else "32x32"
@@ -274,14 +399,20 @@ def main() -> None:
         sides = {"ours": ours_jpeg_side(blobs, ours_imagenet(), args.jpeg_batch_size)}
         if not no_alb:
             sides["albumentations"] = albumentations_side(blobs, alb_imagenet(), True, args.jpeg_batch_size)
+        if not no_tv:
+            sides["torchvision"] = torchvision_side(blobs, tv_imagenet(), True, args.jpeg_batch_size)
+        if not no_kornia:
+            sides["kornia"] = kornia_jpeg_side(blobs, kornia_imagenet(), args.jpeg_batch_size)
         record(name, alternate(sides, args.repeats))
     rows = stream.rows
-    print_table(rows, ["pipeline", "device", "ours_img_s", "albumentations_img_s", "ratio", "ratio_range"])
+    print_table(rows, ["pipeline", "ours_img_s", "albumentations_img_s", "vs_alb", "vs_alb_range",
+                       "torchvision_img_s", "vs_tv", "kornia_img_s", "vs_kornia"])
     payload = {"args": vars(args), "data": src, "rows": rows}
     if args.cpu_time and not no_alb:
         cpu_rows = cpu_time_rows(args)
-        print("single-thread CPU time per image, augmentation only (ratio = albumentations / ours):")
-        print_table(cpu_rows, ["pipeline", "ours_ms_per_img", "albumentations_ms_per_img", "ratio"])
+        print("single-thread CPU time per image, augmentation only (ratios: the other side's time / compiled):")
+        print_table(cpu_rows, ["pipeline", "albumentations_ms_per_img", "ours_eager_ms_per_img",
+                               "ours_compiled_ms_per_img", "compiled_vs_albumentations", "compiled_vs_eager"])
         payload["cpu_time_rows"] = cpu_rows
 
     if not torch.cuda.is_available():
@@ -321,13 +452,10 @@ def gpu_measurements(args, stream: ResultStream) -> list[dict]:
     rate = alternate({"tv": tv_run}, args.repeats)
     stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "torchvision v2 per sample",
                 "img_s": round(statistics.median(rate["tv"]))})
-    try:
-        import kornia.augmentation as K
-    except ImportError:
-        stream.skip("kornia batched", "kornia not installed; not measured")
+    if kornia_missing():
+        stream.skip("kornia batched", kornia_missing())
         return rows[start:]
-    aug = torch.nn.Sequential(K.RandomResizedCrop((224, 224)), K.RandomHorizontalFlip(),
-                              K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0))
+    aug = kornia_imagenet("cuda")
 
     def k_run() -> int:
         for s in range(0, len(dev_imgs), 256):

@@ -47,3 +47,9 @@ def _photo_patches(n: int, size: int = 32) -> torch.Tensor:
         left = 20 + col * (photo.shape[1] - 40 - size) // 7
         patches.append(photo[top: top + size, left: left + size])
     return torch.from_numpy(np.ascontiguousarray(np.stack(patches))).permute(0, 3, 1, 2).contiguous()
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compiled(request) -> bool:
+    """Run a pipeline test on both paths: the eager ops and the ops compiled into one graph."""
+    return request.param

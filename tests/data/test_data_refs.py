@@ -28,16 +28,18 @@ from vision.data import (
     VerticalFlip,
     from_albumentations,
 )
-from vision.data.color import (
+from vision.data.functional.color import (
     adjust_brightness,
     adjust_contrast,
     adjust_hue,
     adjust_saturation,
     color_jitter,
     hsv_to_rgb,
+    jitter_planes,
+    jitter_tables,
     rgb_to_hsv,
 )
-from vision.data.geometry import resized_crop
+from vision.data.functional.geometry import resized_crop
 
 
 def hwc(x: torch.Tensor) -> np.ndarray:
@@ -63,7 +65,7 @@ def test_flips_and_center_crop_match_torchvision(real_images):
     assert torch.equal(HorizontalFlip(1.0).apply(x, every), TF.horizontal_flip(x))
     assert torch.equal(VerticalFlip(1.0).apply(x, every), TF.vertical_flip(x))
     # Even margins: for odd ones torchvision rounds the offset half up, albumentations (and we) round down.
-    out, _ = Pipeline([CenterCrop((20, 24))], channels_last=False)(x)
+    out, _ = Pipeline([CenterCrop((20, 24))], channels_last=False, compile=False)(x)
     assert torch.equal(out, TF.center_crop(x, [20, 24]).float())
 
 
@@ -133,11 +135,11 @@ def test_vertical_flip_matches_albumentations(real_images):
         assert np.array_equal(hwc(out[i]), A.VerticalFlip(p=1.0)(image=hwc(x[i]))["image"])
 
 
-def test_translated_random_pipeline_equals_albumentations_given_the_same_params(real_images):
+def test_translated_random_pipeline_equals_albumentations_given_the_same_params(real_images, compiled):
     """Pad + crop + flip + normalize + dropout, whole pipeline, fed the parameters we sampled."""
     compose = A.Compose([A.Pad(4, border_mode=cv2.BORDER_REFLECT_101), A.RandomCrop(32, 32), A.HorizontalFlip(),
                          A.Normalize(), A.CoarseDropout((1, 2), (4, 8), (4, 8), fill=0.0, p=0.5)])
-    pipe = from_albumentations(compose, channels_last=False)
+    pipe = from_albumentations(compose, channels_last=False, compile=compiled)
     x = real_images[:16]
     params = pipe.sample(16, 32, 32, torch.Generator().manual_seed(7))
     ours, _ = pipe(x, params=params)
@@ -211,21 +213,28 @@ def test_random_ops_draw_different_parameters_for_each_sample(op):
                                    Resize((36, 30)), ResizeCenterCrop(24)],
                          ids=lambda op: type(op).__name__)
 def test_flip_folded_into_the_previous_op_is_exact(real_images, first):
-    pipe = Pipeline([first, HorizontalFlip(p=0.5)], channels_last=False)
+    pipe = Pipeline([first, HorizontalFlip(p=0.5)], channels_last=False, compile=False)
     x = real_images[:16]
     params = pipe.sample(16, 32, 32, torch.Generator().manual_seed(4))
-    assert len(pipe._plan(params)) == 1  # the flip really was folded
+    assert pipe._steps == [[0, 1]]  # the flip really was folded
     fused, _ = pipe(x, params=params)
     unfused = HorizontalFlip().apply(first.apply(x, params[0]), params[1]).float()
     assert torch.equal(fused, unfused)
 
 
-def test_fused_colour_steps_equal_the_separate_ops(real_images):
-    """color_jitter's per-step affine maps equal brightness/contrast/saturation/hue applied one by one."""
+@pytest.mark.parametrize("form", ["eager", "step_tables"])
+def test_fused_colour_steps_equal_the_separate_ops(real_images, form):
+    """Both jitter algorithms equal brightness/contrast/saturation/hue applied one by one in each sample's
+    order: the eager one (per-step affine maps, hue on just its samples) and the compiled one (a fixed
+    sequence of 3 blends, hue, 3 blends, with per-sample coefficients)."""
     op = ColorJitter(0.5, 0.5, 0.5, 0.2, p=0.8)
     x = real_images[:24]
     p = op.sample(24, 32, 32, torch.Generator().manual_seed(5))
-    ours = op.apply(x, p)
+    if form == "eager":
+        ours = op.apply(x, p)
+    else:
+        tables = jitter_tables(*(p[k] for k in ("brightness", "contrast", "saturation", "hue", "order")))
+        ours = torch.stack(jitter_planes(x.float().unbind(1), tables), dim=1)
     fns = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
     keys = ("brightness", "contrast", "saturation", "hue")
     for i in range(24):
@@ -241,11 +250,11 @@ def test_fused_colour_steps_equal_the_separate_ops(real_images):
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_images_and_params_have_clear_errors():
     with pytest.raises(ValueError, match="1 or 3 channels"):
-        Pipeline([HorizontalFlip()])(torch.zeros(2, 4, 8, 8, dtype=torch.uint8))
+        Pipeline([HorizontalFlip()], compile=False)(torch.zeros(2, 4, 8, 8, dtype=torch.uint8))
     with pytest.raises(TypeError, match="tensor of images"):
-        Pipeline([HorizontalFlip()])(np.zeros((2, 3, 8, 8), np.uint8))  # type: ignore[arg-type]
+        Pipeline([HorizontalFlip()], compile=False)(np.zeros((2, 3, 8, 8), np.uint8))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="param dicts"):
-        Pipeline([HorizontalFlip(), Normalize()])(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), params=[{}])
+        Pipeline([HorizontalFlip(), Normalize()], compile=False)(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), params=[{}])
     with pytest.raises(ValueError, match="2 mean values for images with 3 channels"):
         Normalize((0.5, 0.5), (0.5, 0.5)).apply(torch.zeros(1, 3, 4, 4), {})
     with pytest.raises(TypeError, match="floating point"):
@@ -259,15 +268,16 @@ def test_bad_images_and_params_have_clear_errors():
 
 
 def test_folded_flip_composes_with_a_subclass_that_sets_its_own_flip(real_images):
-    """A RandomCrop subclass passing its own ``flip`` (like an alternating flip) keeps a following flip."""
+    """A RandomCrop subclass setting its own ``flip`` in ``prepare`` (like the alternating flip) keeps a
+    following flip."""
 
     class AlwaysMirrorCrop(RandomCrop):
-        def apply(self, images, params, index=None):
-            return super().apply(images, {**params, "flip": torch.ones(len(params["top"]), dtype=torch.bool)},
-                                 index=index)
+        def prepare(self, params, shape, index=None):
+            return super().prepare({**params, "flip": torch.ones(len(params["top"]), dtype=torch.bool)}, shape,
+                                   index)
 
     first = AlwaysMirrorCrop(28, padding=2)
-    pipe = Pipeline([first, HorizontalFlip()], channels_last=False)
+    pipe = Pipeline([first, HorizontalFlip()], channels_last=False, compile=False)
     x = real_images[:16]
     params = pipe.sample(16, 32, 32, torch.Generator().manual_seed(6))
     fused, _ = pipe(x, params=params)

@@ -11,7 +11,7 @@ from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import HorizontalFlip, RandomCrop, RandomResizedCrop
 from vision.data.mixing import MixupCutmix
 from vision.recipes import AlternatingFlipCrop, AugmentConfig, TrivialAugmentWide, build_train_pipeline, get_recipe
-from vision.recipes._augment import TRIVIAL_AUGMENT_OPS
+from vision.data.trivial_augment import TRIVIAL_AUGMENT_OPS
 
 
 def _store(n: int = 16) -> torch.Tensor:

@@ -8,19 +8,22 @@ from vision.data.datasets import (
 )
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import (
-    CenterCrop, HorizontalFlip, Pad, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
-    VerticalFlip,
+    AlternatingFlipCrop, CenterCrop, HorizontalFlip, Pad, PadIfNeeded, RandomCrop, RandomResizedCrop, RandomTranslate,
+    Resize, ResizeCenterCrop, VerticalFlip,
 )
 from vision.data.loader import DeviceLoader
 from vision.data.mixing import MixupCutmix
-from vision.data.pipeline import BatchOp, Pipeline, RaggedBatch
+from vision.data.ops import BatchOp, Params, RaggedBatch
+from vision.data.pipeline import Pipeline
+from vision.data.trivial_augment import TrivialAugmentWide
 
 __all__ = [
-    "BatchOp", "CIFAR10DataModule", "CenterCrop", "CoarseDropout", "ColorJitter", "CorruptImageError",
-    "DatasetError", "DatasetNotFoundError", "DeviceLoader", "DigitsDataModule", "EncodedImages", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet",
-    "MixupCutmix", "Normalize", "Pad", "Pipeline", "RaggedBatch", "RandomCrop", "RandomResizedCrop",
-    "RandomTranslate", "Resize", "ResizeCenterCrop", "ToGray", "VerticalFlip", "from_albumentations",
-    "list_image_folder", "load_cifar10", "load_digits_images", "load_image_folder",
+    "AlternatingFlipCrop", "BatchOp", "CIFAR10DataModule", "CenterCrop", "CoarseDropout", "ColorJitter",
+    "CorruptImageError", "DatasetError", "DatasetNotFoundError", "DeviceLoader", "DigitsDataModule",
+    "EncodedImages", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet", "MixupCutmix",
+    "Normalize", "Pad", "PadIfNeeded", "Params", "Pipeline", "RaggedBatch", "RandomCrop", "RandomResizedCrop",
+    "RandomTranslate", "Resize", "ResizeCenterCrop", "ToGray", "TrivialAugmentWide", "VerticalFlip",
+    "from_albumentations", "list_image_folder", "load_cifar10", "load_digits_images", "load_image_folder",
 ]
 
 

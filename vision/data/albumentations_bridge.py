@@ -18,7 +18,8 @@ from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import (
     CenterCrop, HorizontalFlip, Pad, PadIfNeeded, RandomCrop, RandomResizedCrop, Resize, VerticalFlip,
 )
-from vision.data.pipeline import BatchOp, Pipeline
+from vision.data.ops import BatchOp
+from vision.data.pipeline import Pipeline
 
 
 class UnsupportedTransformError(ValueError):
@@ -138,7 +139,8 @@ def _fuse_pad_crop(ops: list[BatchOp]) -> list[BatchOp]:
     return out
 
 
-def from_albumentations(compose: Any, dtype: torch.dtype = torch.float32, channels_last: bool = True) -> Pipeline:
+def from_albumentations(compose: Any, dtype: torch.dtype = torch.float32, channels_last: bool = True,
+                        compile: bool = True) -> Pipeline:
     """Batched equivalent of an ``A.Compose`` (or a list of transforms); raises listing what is unsupported."""
     transforms = getattr(compose, "transforms", compose)
     if not isinstance(transforms, (list, tuple)) and not hasattr(transforms, "__iter__"):
@@ -165,4 +167,4 @@ def from_albumentations(compose: Any, dtype: torch.dtype = torch.float32, channe
             "from_albumentations cannot translate: " + "; ".join(problems)
             + f". Supported: {', '.join(sorted(_TRANSLATORS))}"
         )
-    return Pipeline(_fuse_pad_crop(ops), dtype=dtype, channels_last=channels_last)
+    return Pipeline(_fuse_pad_crop(ops), dtype=dtype, channels_last=channels_last, compile=compile)

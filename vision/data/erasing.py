@@ -1,8 +1,8 @@
-"""Batched cutout / random erasing: up to K rectangular holes per sample, filled in one masked write.
+"""Batched cutout / random erasing ops: up to K rectangular holes per sample, drawn here, filled by
+:func:`vision.data.functional.erasing.fill_holes` in one masked write.
 
-Holes are (N, K, 4) boxes ``[x_min, y_min, x_max, y_max]`` (exclusive max, albumentations' order);
-unused slots are empty boxes.  The fill value is in the units the images have at that point of the
-pipeline (0..255 before :class:`~vision.data.color.Normalize`, normalized after it).
+The fill value is in the units the images have at that point of the pipeline (0..255 before
+:class:`~vision.data.color.Normalize`, normalized after it).
 """
 
 from __future__ import annotations
@@ -12,28 +12,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from vision.data.pipeline import BatchOp, Params, as_float, bernoulli
-
-
-def fill_holes(images: Tensor, holes: Tensor, fill: float | Sequence[float] = 0.0) -> Tensor:
-    """Set every pixel inside any of each sample's ``holes`` (N, K, 4) to ``fill`` (scalar or per channel)."""
-    n, c, h, w = images.shape
-    device = images.device
-    holes = holes.to(device)
-    ys = torch.arange(h, device=device).view(1, 1, h)
-    xs = torch.arange(w, device=device).view(1, 1, w)
-    in_rows = (ys >= holes[..., 1:2]) & (ys < holes[..., 3:4])  # (N, K, H)
-    in_cols = (xs >= holes[..., 0:1]) & (xs < holes[..., 2:3])  # (N, K, W)
-    mask = (in_rows.unsqueeze(-1) & in_cols.unsqueeze(-2)).any(dim=1, keepdim=True)  # (N, 1, H, W)
-    fill_t = torch.as_tensor(fill, dtype=torch.float32)  # on the CPU: checking it must not sync the device
-    if fill_t.ndim == 1:
-        if fill_t.numel() != c:
-            raise ValueError(f"fill has {fill_t.numel()} values for images with {c} channels")
-        fill_t = fill_t.view(1, c, 1, 1)
-    # uint8 stays uint8 when the fill is a whole number in 0..255 (cutout before Normalize).
-    exact = bool(((fill_t >= 0) & (fill_t <= 255) & (fill_t == fill_t.round())).all())
-    x = images if images.dtype != torch.uint8 or exact else as_float(images)
-    return torch.where(mask, fill_t.to(device=device, dtype=x.dtype), x)
+from vision.data.functional.erasing import fill_holes
+from vision.data.ops import BatchOp, Params, bernoulli, check_p
 
 
 def _int_range(lo: float, hi: float, n: int, k: int, generator: torch.Generator) -> Tensor:
@@ -66,8 +46,7 @@ class CoarseDropout(BatchOp):
                 raise ValueError(f"CoarseDropout: {name} must be 0 < min <= max, got {r}")
         if isinstance(fill, str):
             raise ValueError(f"CoarseDropout: only constant fills are supported, got fill={fill!r}")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"CoarseDropout: probability p must be in [0, 1], got {p}")
+        check_p(p, "CoarseDropout")
         self.num_holes_range = (int(num_holes_range[0]), int(num_holes_range[1]))
         self.hole_height_range = tuple(hole_height_range)
         self.hole_width_range = tuple(hole_width_range)
@@ -115,8 +94,7 @@ class Erasing(BatchOp):
             raise ValueError(f"Erasing: ratio must be 0 < min <= max, got {ratio}")
         if isinstance(fill, str):
             raise ValueError(f"Erasing: only constant fills are supported, got fill={fill!r}")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"Erasing: probability p must be in [0, 1], got {p}")
+        check_p(p, "Erasing")
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.fill = fill

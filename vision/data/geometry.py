@@ -1,26 +1,26 @@
-"""Batched geometric ops: crops (with padding), flips, random resized crop, resize, center crop.
+"""Batched geometric ops: crops (with padding), flips, random resized crop, resize, centre crop.
 
-Integer crops and flips are one gather on the uint8 batch; resizing ops are one ``grid_sample`` per
-batch with per-sample boxes.  Bilinear resizing uses OpenCV's half-pixel convention with the border
-replicated at the crop's edge, so it matches ``cv2.resize(crop, size, INTER_LINEAR)`` (what
-albumentations does) up to OpenCV's fixed-point rounding; like OpenCV it does not antialias.
+The ops draw parameters and build per-sample index tables; the pixels are moved by
+:mod:`vision.data.functional.geometry` (one gather per batch).  Integer crops keep the input dtype (uint8);
+resizing ops return float32 in 0..255 units.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-import weakref
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from vision.data.pipeline import FLIP_AFTER, BatchOp, Params, RaggedBatch, as_float, bernoulli
+from vision.data.functional.geometry import (
+    BORDER_MODES, crop_tables, gather_crop, random_crop_params, random_resized_crop_params, resample,
+    resample_tables,
+)
+from vision.data.ops import FLIP_AFTER, BatchOp, Params, RaggedBatch, bernoulli, check_p
 
 PaddingMode = Literal["constant", "reflect", "symmetric", "edge"]
-_PADDING_MODES = ("constant", "reflect", "symmetric", "edge")
 
 
 def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
@@ -52,128 +52,9 @@ def _padding4(padding: int | Sequence[int]) -> tuple[int, int, int, int]:
     return pads  # type: ignore[return-value]
 
 
-def _map_border(idx: Tensor, size: int, mode: str) -> tuple[Tensor, Tensor | None]:
-    """Map out-of-range indices back into ``[0, size)``; for ``constant`` also return the in-range mask."""
-    if mode == "constant":
-        valid = (idx >= 0) & (idx < size)
-        return idx.clamp(0, size - 1), valid
-    if mode == "edge":
-        return idx.clamp(0, size - 1), None
-    if mode == "reflect":  # dcb|abcd|cba  (cv2.BORDER_REFLECT_101, torch "reflect")
-        period = max(2 * size - 2, 1)
-        idx = idx.remainder(period)
-        return torch.where(idx >= size, period - idx, idx), None
-    # symmetric: cba|abcd|dcb  (cv2.BORDER_REFLECT)
-    period = 2 * size
-    idx = idx.remainder(period)
-    return torch.where(idx >= size, period - 1 - idx, idx), None
-
-
-def crop_with_padding(
-    images: Tensor,
-    top: Tensor,
-    left: Tensor,
-    size: tuple[int, int],
-    padding: tuple[int, int, int, int] = (0, 0, 0, 0),
-    padding_mode: str = "constant",
-    fill: float = 0.0,
-    flip: Tensor | None = None,
-    index: Tensor | None = None,
-) -> Tensor:
-    """Per-sample integer crop of ``size`` at (``top``, ``left``) in the padded frame, as one gather.
-
-    ``top``/``left`` are (N,) offsets into the image padded by ``padding`` = (left, top, right, bottom);
-    ``flip`` (N,) bool optionally mirrors each crop horizontally; ``index`` (N,) optionally picks the batch
-    out of a larger ``images`` store in the same gather.  The output keeps the input dtype.
-    """
-    n, _, height, width = images.shape if index is None else (index.shape[0], *images.shape[1:])
-    ch, cw = size
-    pad_left, pad_top = padding[0], padding[1]
-    device = images.device
-    if padding_mode != "symmetric" and max(padding[0], padding[2]) < width and max(padding[1], padding[3]) < height:
-        # Fast path: pad once (cheap on uint8), then pick each sample's window from a strided view.
-        mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[padding_mode]
-        padded = None
-        if index is not None and images.dtype == torch.uint8:
-            # A resident uint8 store (CIFAR-sized): pad it and lay it out channels_last once, as airbench
-            # does, so each batch is one gather that already gives the channels_last layout of the output.
-            padded = _padded_store(images, padding, mode, fill)
-        if padded is None and any(padding) and index is not None:  # pad only the batch, never a large store
-            images, index = images.index_select(0, index.to(device)), None
-        if padded is None and any(padding):
-            l, t, r, b = padding  # F.pad wants (left, right, top, bottom)
-            padded = F.pad(images, (l, r, t, b), mode=mode, value=fill if mode == "constant" else None)
-        elif padded is None:
-            padded = images
-        windows = padded.unfold(2, ch, 1).unfold(3, cw, 1)  # (M, C, nH, nW, ch, cw) view
-        batch = index.to(device) if index is not None else torch.arange(n, device=device)
-        out = windows[batch, :, top.to(device), left.to(device)]
-        if flip is not None and device.type == "cpu":  # `out` is our own: mirror just the flipped samples
-            idx = flip.nonzero().squeeze(1)
-            if idx.numel():
-                out[idx] = out[idx].flip(-1)
-        elif flip is not None:  # (finding the indices would sync an accelerator)
-            out = torch.where(flip.to(device).view(n, 1, 1, 1), out.flip(-1), out)
-        return out
-    if index is not None:
-        images = images.index_select(0, index.to(device))
-    rows = top.to(device).view(n, 1) + torch.arange(ch, device=device).view(1, ch) - pad_top
-    cols = left.to(device).view(n, 1) + torch.arange(cw, device=device).view(1, cw) - pad_left
-    if flip is not None:
-        cols = torch.where(flip.to(device).view(n, 1), cols.flip(1), cols)
-    rows, row_ok = _map_border(rows, height, padding_mode)
-    cols, col_ok = _map_border(cols, width, padding_mode)
-    batch = torch.arange(n, device=device).view(n, 1, 1)
-    # Advanced indexing on (N, H, W, C) gives (N, h, w, C) directly: permuting back makes it channels_last.
-    nhwc = images.permute(0, 2, 3, 1)
-    out = nhwc[batch, rows.view(n, ch, 1), cols.view(n, 1, cw)].permute(0, 3, 1, 2)
-    if row_ok is not None and col_ok is not None:
-        ok = (row_ok.view(n, 1, ch, 1) & col_ok.view(n, 1, 1, cw))
-        out = torch.where(ok, out, torch.tensor(fill, dtype=out.dtype, device=device))
-    return out
-
-
-#: Largest uint8 store (bytes, after padding) that :func:`_padded_store` keeps a padded copy of.
-_PADDED_STORE_MAX_BYTES = 1 << 30
-_padded_stores: dict[tuple, tuple[Any, Tensor]] = {}
-_padded_stores_lock = threading.Lock()  # the CPU pipeline's worker threads ask for it together
-
-
-def _padded_store(
-    store: Tensor, padding: tuple[int, int, int, int], mode: str, fill: float
-) -> Tensor | None:
-    """A padded, channels_last copy of a resident uint8 ``store``, made once and reused for every batch.
-
-    ``None`` when the copy would exceed ``_PADDED_STORE_MAX_BYTES`` (the batch is then padded on its own).
-    The cache holds a weak reference to the store, so it never serves a stale copy of freed memory, and it
-    keeps one entry: the training store.
-    """
-    n, c, h, w = store.shape
-    l, t, r, b = padding
-    if n * c * (h + t + b) * (w + l + r) > _PADDED_STORE_MAX_BYTES:
-        return None
-    if store.is_inference():  # no version counter: an in-place change could not be noticed, so do not cache
-        return None
-    key = (store.data_ptr(), tuple(store.shape), store.device, padding, mode, float(fill), store._version)
-    with _padded_stores_lock:
-        cached = _padded_stores.get(key)
-        if cached is not None and cached[0]() is store:
-            return cached[1]
-        padded = _pad_channels_last(store, padding, mode, fill)
-        _padded_stores.clear()
-        _padded_stores[key] = (weakref.ref(store), padded)
-        return padded
-
-
-def _pad_channels_last(store: Tensor, padding: tuple[int, int, int, int], mode: str, fill: float) -> Tensor:
-    l, t, r, b = padding
-    chunks = []
-    for start in range(0, store.shape[0], 4096):  # bounded temporaries
-        part = store[start: start + 4096]
-        if any(padding):
-            part = F.pad(part, (l, r, t, b), mode=mode, value=fill if mode == "constant" else None)
-        chunks.append(part.contiguous(memory_format=torch.channels_last))
-    return torch.cat(chunks).contiguous(memory_format=torch.channels_last)
+def _check_mode(mode: str, name: str) -> None:
+    if mode not in BORDER_MODES:
+        raise ValueError(f"{name}: padding_mode must be one of {BORDER_MODES}, got {mode!r}")
 
 
 def _flip(params: Params) -> Tensor | None:
@@ -184,21 +65,47 @@ def _flip(params: Params) -> Tensor | None:
     return own ^ after
 
 
-def random_crop_params(
-    n: int, padded_height: int, padded_width: int, size: tuple[int, int], generator: torch.Generator
-) -> Params:
-    """Offsets uniform over every valid position (inclusive), like albumentations and torchvision."""
-    ch, cw = size
-    if ch > padded_height or cw > padded_width:
-        raise ValueError(
-            f"RandomCrop: crop {size} is larger than the (padded) image {(padded_height, padded_width)}"
-        )
-    top = torch.randint(0, padded_height - ch + 1, (n,), generator=generator)
-    left = torch.randint(0, padded_width - cw + 1, (n,), generator=generator)
-    return {"top": top, "left": left}
+def _shape_of(images: Any) -> tuple[int, ...]:
+    canvas = images.canvas if isinstance(images, RaggedBatch) else images
+    return tuple(int(s) for s in canvas.shape)
 
 
-class RandomCrop(BatchOp):
+class _Crop(BatchOp):
+    """An integer crop (with padding) per sample: one gather, uint8 stays uint8, mirrors for free."""
+
+    fuses_gather = True
+    folds = frozenset({FLIP_AFTER})
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    padding_mode: str = "constant"
+    fill: float = 0.0
+
+    def _crop_size(self, height: int, width: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _offsets(self, params: Params, n: int, height: int, width: int) -> tuple[Tensor, Tensor]:
+        return params["top"], params["left"]
+
+    def _padding_for(self, height: int, width: int) -> tuple[int, int, int, int]:
+        return self.padding
+
+    def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
+        height, width = int(shape[-2]), int(shape[-1])
+        n = index.shape[0] if index is not None else int(shape[0])
+        top, left = self._offsets(params, n, height, width)
+        flip = _flip(params)
+        tables = crop_tables(top.cpu(), left.cpu(), self._crop_size(height, width), (height, width),
+                             self._padding_for(height, width), self.padding_mode,
+                             None if flip is None else flip.cpu())
+        return {**params, **tables}
+
+    def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
+        if "rows" not in params:  # called directly, not by a Pipeline
+            params = self.prepare(params, _shape_of(images), None if index is None else index.cpu())
+        tables = {k: params[k].to(images.device) for k in ("rows", "cols", "row_ok", "col_ok") if k in params}
+        return gather_crop(images, tables, self.fill, None if index is None else index.to(images.device))
+
+
+class RandomCrop(_Crop):
     """Random ``size`` crop per sample after padding each side (the CIFAR "pad 4 + crop 32" augmentation).
 
     Args:
@@ -218,9 +125,8 @@ class RandomCrop(BatchOp):
         fill: float = 0.0,
         p: float = 1.0,
     ):
-        if padding_mode not in _PADDING_MODES:
-            raise ValueError(f"RandomCrop: padding_mode must be one of {_PADDING_MODES}, got {padding_mode!r}")
-        _check_p(p, "RandomCrop")
+        _check_mode(padding_mode, "RandomCrop")
+        check_p(p, "RandomCrop")
         self.size = None if size is None else _pair(size, "RandomCrop size")
         self.padding = _padding4(padding)
         self.padding_mode = padding_mode
@@ -234,6 +140,9 @@ class RandomCrop(BatchOp):
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size if self.size is not None else (int(height), int(width))
 
+    def _crop_size(self, height: int, width: int) -> tuple[int, int]:
+        return self.output_size(height, width)
+
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
         size = self.output_size(height, width)
         ph, pw = self._padded(int(height), int(width))
@@ -244,16 +153,6 @@ class RandomCrop(BatchOp):
             params["left"] = torch.where(keep, params["left"], torch.tensor((pw - size[1]) // 2))
         return params
 
-    fuses_gather = True
-    fuses_flip = True
-
-    def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
-        size = self.output_size(images.shape[-2], images.shape[-1])
-        return crop_with_padding(
-            images, params["top"], params["left"], size, self.padding, self.padding_mode, self.fill,
-            _flip(params), index=index,
-        )
-
 
 def RandomTranslate(max_shift: int, fill: float = 0.0, padding_mode: PaddingMode = "constant") -> RandomCrop:
     """Shift each image by a random integer in ``[-max_shift, max_shift]`` per axis, keeping its size."""
@@ -262,147 +161,196 @@ def RandomTranslate(max_shift: int, fill: float = 0.0, padding_mode: PaddingMode
     return RandomCrop(None, padding=max_shift, padding_mode=padding_mode, fill=fill)
 
 
-class Pad(BatchOp):
+class AlternatingFlipCrop(RandomCrop):
+    """Random pad-and-crop (translate) plus airbench's *alternating* horizontal flip, in one gather.
+
+    Alternating flip (Jordan 2024, arXiv 2404.00498): each image gets a fixed random bit; in even epochs the
+    images whose bit is set are mirrored, in odd epochs exactly the others. Every image is then seen both ways
+    every two epochs, which cuts the steps to 94% on CIFAR-10 by about 10% against independent random flips.
+
+    The flip of a sample depends on *which* image it is, so this op must be the first op of the pipeline and
+    the loader must keep the data set resident (``DeviceLoader`` then hands the op the sample indices). When it
+    gets an already-gathered batch instead, it falls back to independent random flips (p = 0.5) and warns once.
+
+    Args:
+        size, padding, padding_mode, fill: as :class:`RandomCrop` (``size=None`` = translate).
+        epoch: a zero-argument callable returning the current epoch (the train loader's ``epoch``), read when
+            a batch's parameters are drawn.
+        seed: seed of the per-image bits.
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int] | None,
+        padding: int = 0,
+        padding_mode: PaddingMode = "reflect",
+        fill: float = 0.0,
+        *,
+        epoch: Callable[[], int],
+        seed: int = 0,
+    ) -> None:
+        super().__init__(size, padding=padding, padding_mode=padding_mode, fill=fill)
+        if not callable(epoch):
+            raise TypeError(f"AlternatingFlipCrop: epoch must be a callable returning the epoch, got {epoch!r}")
+        self._epoch = epoch
+        self.seed = int(seed)
+        self._bits: Tensor | None = None
+        self._warned = False
+
+    def image_bits(self, num_images: int) -> Tensor:
+        """The fixed per-image bit (bool, ``num_images``, CPU), drawn once from ``seed``."""
+        if self._bits is None or self._bits.numel() != num_images:
+            g = torch.Generator().manual_seed(self.seed)
+            self._bits = torch.rand(num_images, generator=g) < 0.5
+        return self._bits
+
+    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
+        params = super().sample(n, height, width, generator)
+        params["random_flip"] = torch.rand(n, generator=generator) < 0.5  # fallback only
+        params["odd_epoch"] = torch.full((n,), bool(self._epoch() % 2))
+        return params
+
+    def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
+        if index is not None:
+            flip = self.image_bits(int(shape[0]))[index.cpu()] ^ params["odd_epoch"].cpu()
+        else:
+            if not self._warned:
+                warnings.warn(
+                    "AlternatingFlipCrop got a batch without sample indices (the loader does not keep the data "
+                    "set resident, or the op is not first in the pipeline): using independent random flips",
+                    stacklevel=3,
+                )
+                self._warned = True
+            flip = params["random_flip"]
+        return super().prepare({**params, "flip": flip}, shape, index)
+
+
+class Pad(_Crop):
     """Deterministic padding by (left, top, right, bottom) pixels (albumentations ``Pad``)."""
 
     def __init__(self, padding: int | Sequence[int], padding_mode: PaddingMode = "constant", fill: float = 0.0):
-        if padding_mode not in _PADDING_MODES:
-            raise ValueError(f"Pad: padding_mode must be one of {_PADDING_MODES}, got {padding_mode!r}")
+        _check_mode(padding_mode, "Pad")
         self.padding = _padding4(padding)
         self.padding_mode = padding_mode
         self.fill = float(fill)
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        l, t, r, b = self.padding
+        l, t, r, b = self._padding_for(int(height), int(width))
         return int(height) + t + b, int(width) + l + r
 
-    def apply(self, images: Tensor, params: Params) -> Tensor:
-        n = images.shape[0]
-        ph, pw = self.output_size(images.shape[-2], images.shape[-1])
+    def _crop_size(self, height: int, width: int) -> tuple[int, int]:
+        return self.output_size(height, width)
+
+    def _offsets(self, params: Params, n: int, height: int, width: int) -> tuple[Tensor, Tensor]:
         zeros = torch.zeros(n, dtype=torch.int64)
-        return crop_with_padding(images, zeros, zeros, (ph, pw), self.padding, self.padding_mode, self.fill)
+        return zeros, zeros
+
+
+class PadIfNeeded(Pad):
+    """Pad to at least ``min_height`` x ``min_width``, centred (albumentations ``PadIfNeeded`` position
+    ``center``: the extra pixel of an odd amount goes to the bottom / right)."""
+
+    def __init__(self, min_height: int, min_width: int, padding_mode: PaddingMode = "constant", fill: float = 0.0):
+        super().__init__(0, padding_mode, fill)
+        self.min_height, self.min_width = int(min_height), int(min_width)
+
+    def _padding_for(self, height: int, width: int) -> tuple[int, int, int, int]:
+        dh, dw = max(0, self.min_height - height), max(0, self.min_width - width)
+        return (dw // 2, dh // 2, dw - dw // 2, dh - dh // 2)
+
+
+class CenterCrop(_Crop):
+    """Integer centre crop to ``size`` (top-left at ``((H - h) // 2, (W - w) // 2)`` as albumentations)."""
+
+    def __init__(self, size: int | Sequence[int]):
+        self.size = _pair(size, "CenterCrop size")
+
+    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
+        h, w = int(height), int(width)
+        if self.size[0] > h or self.size[1] > w:
+            raise ValueError(f"CenterCrop: crop {self.size} is larger than the image {(h, w)}")
+        return {
+            "top": torch.full((n,), (h - self.size[0]) // 2, dtype=torch.int64),
+            "left": torch.full((n,), (w - self.size[1]) // 2, dtype=torch.int64),
+        }
+
+    def _crop_size(self, height: int, width: int) -> tuple[int, int]:
+        return self.size
+
+    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
+        return self.size
 
 
 class HorizontalFlip(BatchOp):
-    """Mirror left-right with probability ``p`` per sample."""
+    """Mirror left-right with probability ``p`` per sample; folds into a crop or resize right before it."""
 
     def __init__(self, p: float = 0.5):
-        _check_p(p, "HorizontalFlip")
+        check_p(p, type(self).__name__)
         self.p = p
 
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
         return {"flip": bernoulli(n, self.p, generator)}
 
     def apply(self, images: Tensor, params: Params) -> Tensor:
-        return torch.where(params["flip"].view(-1, 1, 1, 1), images.flip(-1), images)
+        return torch.where(params["flip"].to(images.device).view(-1, 1, 1, 1), images.flip(-1), images)
+
+    fold_key = FLIP_AFTER
+
+    def fold_as(self, params: Params) -> Params:
+        return {FLIP_AFTER: params["flip"]}
 
 
-class VerticalFlip(HorizontalFlip):
+class VerticalFlip(BatchOp):
     """Mirror top-bottom with probability ``p`` per sample."""
 
+    def __init__(self, p: float = 0.5):
+        check_p(p, "VerticalFlip")
+        self.p = p
+
+    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
+        return {"flip": bernoulli(n, self.p, generator)}
+
     def apply(self, images: Tensor, params: Params) -> Tensor:
-        return torch.where(params["flip"].view(-1, 1, 1, 1), images.flip(-2), images)
+        return torch.where(params["flip"].to(images.device).view(-1, 1, 1, 1), images.flip(-2), images)
 
 
-def random_resized_crop_params(
-    heights: Tensor,
-    widths: Tensor,
-    scale: tuple[float, float],
-    ratio: tuple[float, float],
-    generator: torch.Generator,
-    attempts: int = 10,
-) -> Params:
-    """Per-sample crop boxes with the torchvision / albumentations RandomResizedCrop algorithm, vectorized.
-
-    Up to ``attempts`` (area, log-aspect) draws per sample, the first one that fits wins; offsets are uniform
-    over all valid positions; samples with no fitting draw fall back to the ratio-clamped centre crop.
-    Returns int64 ``top, left, height, width``.
-    """
-    n = heights.shape[0]
-    H = heights.double().view(n, 1)
-    W = widths.double().view(n, 1)
-    area = H * W
-    target = area * (torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (scale[1] - scale[0])
-                     + scale[0])
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (log_hi - log_lo) + log_lo)
-    w = torch.round(torch.sqrt(target * aspect))  # round half to even, as Python's round()
-    h = torch.round(torch.sqrt(target / aspect))
-    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
-    first = ok.to(torch.int8).argmax(dim=1, keepdim=True)
-    found = ok.any(dim=1)
-    w = w.gather(1, first).squeeze(1)
-    h = h.gather(1, first).squeeze(1)
-    u = torch.rand(n, 2, generator=generator, dtype=torch.float64)
-    Hs, Ws = H.squeeze(1), W.squeeze(1)
-    top = torch.floor((Hs - h + 1) * u[:, 0])
-    left = torch.floor((Ws - w + 1) * u[:, 1])
-    # Fallback: whole image with its aspect ratio clamped into `ratio`, centred.
-    in_ratio = Ws / Hs
-    fw = torch.where(in_ratio > ratio[1], torch.round(Hs * ratio[1]), Ws)
-    fh = torch.where(in_ratio < ratio[0], torch.round(Ws / ratio[0]), Hs)
-    fw = torch.where(in_ratio < ratio[0], Ws, fw)
-    fh = torch.where(in_ratio > ratio[1], Hs, fh)
-    ftop = torch.floor((Hs - fh) / 2)
-    fleft = torch.floor((Ws - fw) / 2)
-    return {
-        "top": torch.where(found, top, ftop).long(),
-        "left": torch.where(found, left, fleft).long(),
-        "height": torch.where(found, h, fh).long(),
-        "width": torch.where(found, w, fw).long(),
-    }
-
-
-def resized_crop(
-    images: Tensor, top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int],
-    flip: Tensor | None = None,
-) -> Tensor:
-    """Bilinear resize of each per-sample box (``top, left, height, width``, may be fractional) to ``size``.
-
-    Source coordinates follow OpenCV (``src = (dst + 0.5) * scale - 0.5``) and are clamped to the box, so
-    pixels outside the box are never read (the padding of a :class:`RaggedBatch` included).  ``flip`` (N,)
-    bool mirrors the chosen samples by reversing their sampling grid (free).
-    Returns float32 in the input's units.
-    """
-    n, _, canvas_h, canvas_w = images.shape
-    oh, ow = size
-    device = images.device
-    top, left, height, width = (t.to(device=device, dtype=torch.float32).view(n, 1) for t in (top, left, height, width))
-    ys = (torch.arange(oh, device=device, dtype=torch.float32).view(1, oh) + 0.5) * (height / oh) - 0.5
-    xs = (torch.arange(ow, device=device, dtype=torch.float32).view(1, ow) + 0.5) * (width / ow) - 0.5
-    ys = top + torch.minimum(ys.clamp_min(0), height - 1)
-    xs = left + torch.minimum(xs.clamp_min(0), width - 1)
-    if flip is not None:
-        xs = torch.where(flip.to(device).view(n, 1), xs.flip(1), xs)
-    gy = ((2 * ys + 1) / canvas_h - 1).view(n, oh, 1).expand(n, oh, ow)
-    gx = ((2 * xs + 1) / canvas_w - 1).view(n, 1, ow).expand(n, oh, ow)
-    grid = torch.stack((gx, gy), dim=-1)
-    src = as_float(images)
-    if src.dtype not in (torch.float32, torch.float64):
-        src = src.float()
-    return F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=False)
-
-
-def _sizes(images: Any, height: Any, width: Any) -> tuple[Tensor, Tensor]:
+def _sizes(n: int, height: Any, width: Any) -> tuple[Tensor, Tensor]:
     if isinstance(height, Tensor):
         return height, width
-    n = images if isinstance(images, int) else len(images)
     return torch.full((n,), int(height), dtype=torch.int64), torch.full((n,), int(width), dtype=torch.int64)
 
 
-def _canvas(images: Tensor | RaggedBatch) -> Tensor:
-    return images.canvas if isinstance(images, RaggedBatch) else images
+class _Resample(BatchOp):
+    """Bilinear resampling of a per-sample box (``top, left, height, width`` params) to ``size``."""
+
+    accepts_ragged = True
+    folds = frozenset({FLIP_AFTER})
+    size: tuple[int, int]
+
+    def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
+        flip = _flip(params)
+        tables = resample_tables(params["top"].cpu(), params["left"].cpu(), params["height"].cpu(),
+                                 params["width"].cpu(), self.size, (int(shape[-2]), int(shape[-1])),
+                                 None if flip is None else flip.cpu())
+        return {**params, **tables}
+
+    def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
+        canvas = images.canvas if isinstance(images, RaggedBatch) else images
+        if "y0" not in params:  # called directly, not by a Pipeline
+            params = self.prepare(params, _shape_of(canvas))
+        taps = {k: params[k].to(canvas.device) for k in ("y0", "y1", "wy", "x0", "x1", "wx")}
+        return resample(canvas, taps)
+
+    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
+        return self.size
 
 
-class RandomResizedCrop(BatchOp):
+class RandomResizedCrop(_Resample):
     """Crop a random box (area fraction ``scale``, aspect ``ratio`` = w/h) per sample and resize to ``size``.
 
     Parameter distribution identical to ``torchvision.transforms.v2.RandomResizedCrop`` and
     ``albumentations.RandomResizedCrop``; accepts batches of images of different sizes.
     """
-
-    accepts_ragged = True
-    fuses_flip = True
 
     def __init__(
         self,
@@ -415,7 +363,7 @@ class RandomResizedCrop(BatchOp):
             raise ValueError(f"RandomResizedCrop: scale must satisfy 0 < min <= max, got {scale}")
         if not (0 < ratio[0] <= ratio[1]):
             raise ValueError(f"RandomResizedCrop: ratio must satisfy 0 < min <= max, got {ratio}")
-        _check_p(p, "RandomResizedCrop")
+        check_p(p, "RandomResizedCrop")
         self.size = _pair(size, "RandomResizedCrop size")
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
@@ -434,19 +382,9 @@ class RandomResizedCrop(BatchOp):
             }
         return params
 
-    def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
-        return resized_crop(_canvas(images), params["top"], params["left"], params["height"], params["width"],
-                            self.size, _flip(params))
 
-    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        return self.size
-
-
-class Resize(BatchOp):
+class Resize(_Resample):
     """Bilinear resize of every image to ``size`` (height, width)."""
-
-    accepts_ragged = True
-    fuses_flip = True
 
     def __init__(self, size: int | Sequence[int]):
         self.size = _pair(size, "Resize size")
@@ -456,49 +394,13 @@ class Resize(BatchOp):
         zeros = torch.zeros(n, dtype=torch.int64)
         return {"top": zeros, "left": zeros, "height": hs, "width": ws}
 
-    def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
-        return resized_crop(_canvas(images), params["top"], params["left"], params["height"], params["width"],
-                            self.size, _flip(params))
 
-    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        return self.size
-
-
-class CenterCrop(BatchOp):
-    """Integer centre crop to ``size`` (top-left at ``((H - h) // 2, (W - w) // 2)`` as albumentations)."""
-
-    def __init__(self, size: int | Sequence[int]):
-        self.size = _pair(size, "CenterCrop size")
-
-    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
-        h, w = int(height), int(width)
-        if self.size[0] > h or self.size[1] > w:
-            raise ValueError(f"CenterCrop: crop {self.size} is larger than the image {(h, w)}")
-        return {
-            "top": torch.full((n,), (h - self.size[0]) // 2, dtype=torch.int64),
-            "left": torch.full((n,), (w - self.size[1]) // 2, dtype=torch.int64),
-        }
-
-    fuses_gather = True
-    fuses_flip = True
-
-    def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
-        return crop_with_padding(images, params["top"], params["left"], self.size, flip=_flip(params),
-                                 index=index)
-
-    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        return self.size
-
-
-class ResizeCenterCrop(BatchOp):
+class ResizeCenterCrop(_Resample):
     """Evaluation resize: scale the shorter side to ``resize_size``, then take the centre ``size`` crop.
 
     Done as one resample of the matching (possibly fractional) source box, so it accepts images of
     different sizes; it equals resize-then-crop up to sub-pixel placement.
     """
-
-    accepts_ragged = True
-    fuses_flip = True
 
     def __init__(self, size: int | Sequence[int], resize_size: int | None = None):
         self.size = _pair(size, "ResizeCenterCrop size")
@@ -512,38 +414,3 @@ class ResizeCenterCrop(BatchOp):
         box_h = self.size[0] / factor
         box_w = self.size[1] / factor
         return {"top": (hs - box_h) / 2, "left": (ws - box_w) / 2, "height": box_h, "width": box_w}
-
-    def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
-        return resized_crop(_canvas(images), params["top"], params["left"], params["height"], params["width"],
-                            self.size, _flip(params))
-
-    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        return self.size
-
-
-def _check_p(p: float, name: str) -> None:
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{name}: probability p must be in [0, 1], got {p}")
-
-
-class PadIfNeeded(BatchOp):
-    """Pad to at least ``min_height`` x ``min_width``, centred (albumentations ``PadIfNeeded`` position
-    ``center``: the extra pixel of an odd amount goes to the bottom / right)."""
-
-    def __init__(self, min_height: int, min_width: int, padding_mode: PaddingMode = "constant", fill: float = 0.0):
-        if padding_mode not in _PADDING_MODES:
-            raise ValueError(f"PadIfNeeded: padding_mode must be one of {_PADDING_MODES}, got {padding_mode!r}")
-        self.min_height, self.min_width = int(min_height), int(min_width)
-        self.padding_mode = padding_mode
-        self.fill = float(fill)
-
-    def _padding(self, height: int, width: int) -> tuple[int, int, int, int]:
-        dh, dw = max(0, self.min_height - height), max(0, self.min_width - width)
-        return (dw // 2, dh // 2, dw - dw // 2, dh - dh // 2)
-
-    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        return max(int(height), self.min_height), max(int(width), self.min_width)
-
-    def apply(self, images: Tensor, params: Params) -> Tensor:
-        padding = self._padding(int(images.shape[-2]), int(images.shape[-1]))
-        return Pad(padding, self.padding_mode, self.fill).apply(images, params)

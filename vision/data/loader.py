@@ -282,9 +282,9 @@ class DeviceLoader:
             targets = self._targets.index_select(0, indices).to(self.device, non_blocking=True)
             return self.pipeline(ragged, targets, g)
         indices = fetched
-        if self.resident:
+        if self.resident:  # the pipeline builds its index tables from the CPU indices
             idx = indices.to(self.device, non_blocking=True)
-            return self.pipeline(self._images, self._targets.index_select(0, idx), g, index=idx)
+            return self.pipeline(self._images, self._targets.index_select(0, idx), g, index=indices)
         assert self._images is not None
         if self.device.type == "cuda":  # gather straight into pinned memory, then an async copy
             host = torch.empty((indices.numel(), *self._images.shape[1:]), dtype=torch.uint8,

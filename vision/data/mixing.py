@@ -1,8 +1,9 @@
-"""Mixup / CutMix on whole batches, with timm's ``batch`` / ``pair`` / ``elem`` modes, as one tensor op.
+"""Mixup / CutMix on whole batches, with timm's ``batch`` / ``pair`` / ``elem`` modes.
 
 Sample ``i`` is mixed with sample ``N - 1 - i`` (the batch reversed), as in timm; targets become soft
 ``(N, num_classes)`` float targets ``lam * onehot(y) + (1 - lam) * onehot(y reversed)`` with optional
 label smoothing.  For CutMix, ``lam`` is corrected to the pasted box's true area (``correct_lam``).
+The tensor work is in :mod:`vision.data.functional.mixing`.
 """
 
 from __future__ import annotations
@@ -11,37 +12,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from vision.data.pipeline import BatchOp, Params
+from vision.data.functional.mixing import cutmix_boxes, mix_images, mix_targets, one_hot_smooth
+from vision.data.ops import BatchOp, Params
 
 MixMode = Literal["batch", "pair", "elem"]
-
-
-def one_hot_smooth(targets: Tensor, num_classes: int, smoothing: float = 0.0) -> Tensor:
-    """int64 (N,) -> float (N, num_classes) with ``smoothing`` spread evenly (timm convention)."""
-    off = smoothing / num_classes
-    on = 1.0 - smoothing + off
-    return F.one_hot(targets.long(), num_classes).float() * (on - off) + off
-
-
-def cutmix_boxes(
-    lam: np.ndarray, height: int, width: int, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Boxes ``[x0, y0, x1, y1]`` of area ~ ``(1 - lam) H W`` with a uniform centre (timm ``rand_bbox``),
-    and the area-corrected ``lam``."""
-    cut = np.sqrt(1.0 - lam)
-    cut_h = (height * cut).astype(np.int64)
-    cut_w = (width * cut).astype(np.int64)
-    cy = rng.integers(0, height, size=lam.shape)
-    cx = rng.integers(0, width, size=lam.shape)
-    y0 = np.clip(cy - cut_h // 2, 0, height)
-    y1 = np.clip(cy + cut_h // 2, 0, height)
-    x0 = np.clip(cx - cut_w // 2, 0, width)
-    x1 = np.clip(cx + cut_w // 2, 0, width)
-    corrected = 1.0 - (y1 - y0) * (x1 - x0) / float(height * width)
-    return np.stack((x0, y0, x1, y1), axis=-1), corrected
 
 
 class MixupCutmix(BatchOp):
@@ -126,18 +102,7 @@ class MixupCutmix(BatchOp):
         }
 
     def apply(self, images: Tensor, params: Params) -> Tensor:
-        x = images.float() if images.dtype == torch.uint8 else images
-        n, _, h, w = x.shape
-        partner = x.flip(0)
-        lam = params["lam"].to(x.dtype).view(n, 1, 1, 1)
-        mixed = torch.lerp(partner, x, lam)  # lam * x + (1 - lam) * partner
-        b = params["boxes"]
-        ys = torch.arange(h, device=x.device).view(1, h, 1)
-        xs = torch.arange(w, device=x.device).view(1, 1, w)
-        inside = ((ys >= b[:, 1].view(n, 1, 1)) & (ys < b[:, 3].view(n, 1, 1))
-                  & (xs >= b[:, 0].view(n, 1, 1)) & (xs < b[:, 2].view(n, 1, 1))).unsqueeze(1)
-        cut = torch.where(inside, partner, x)
-        return torch.where(params["cutmix"].view(n, 1, 1, 1), cut, mixed)
+        return mix_images(images, *(params[k].to(images.device) for k in ("lam", "cutmix", "boxes")))
 
     def apply_targets(self, targets: Tensor, params: Params) -> Tensor:
         if targets.ndim == 1:
@@ -150,5 +115,4 @@ class MixupCutmix(BatchOp):
             raise ValueError(
                 f"MixupCutmix: targets must be (N,) class indices or (N, {self.num_classes}), got {tuple(targets.shape)}"
             )
-        lam = params["lam"].to(device=soft.device).view(-1, 1)
-        return soft * lam + soft.flip(0) * (1.0 - lam)
+        return mix_targets(soft, params["lam"])

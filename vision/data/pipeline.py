@@ -1,107 +1,36 @@
-"""A composable pipeline of batched augmentation ops with per-sample random parameters.
+"""A composable pipeline of batched augmentation ops with per-sample random parameters, compiled.
 
-Every op splits into two steps: ``sample(n, height, width, generator)`` draws the per-sample parameters
-on the CPU with an explicit ``torch.Generator`` (so the same seed gives the same batches on CPU and CUDA,
-and tests can hand the very same parameters to albumentations), and ``apply(images, params)`` runs the
-batched tensor ops on whatever device the images live on.
+A batch goes through three stages (see :mod:`vision.data.ops` for the op contract): the parameters of every
+op are drawn on the CPU from one generator (:meth:`Pipeline.sample`), turned into per-sample tables on the
+CPU (``prepare``), and the ops' ``apply`` run on the device.  With ``compile=True`` (the default) the
+``apply`` chain runs as one ``torch.compile`` graph (:mod:`vision.data.compiled`); ops that cannot be traced
+(``compilable = False``) run eagerly between compiled runs of the others.  A compile failure falls back to
+the eager ops with one warning.  Both paths give the same images: bitwise for integer ops (crops, flips,
+grayscale on uint8, erasing), within float rounding (a few 1e-4 of a level) for arithmetic.
 
-Images flow through the pipeline as ``(N, C, H, W)`` tensors: uint8 while only indexing ops (crop, flip)
+Images flow through the ops as ``(N, C, H, W)`` tensors: uint8 while only indexing ops (crop, flip)
 touch them, float32 in 0..255 units after the first arithmetic op, and in normalized units after
 :class:`~vision.data.color.Normalize`.  Batches whose images have different sizes enter as a
 :class:`RaggedBatch`; the first op must then be a resizing op that brings them to one size.
 
-On CPU a batch runs in slices on single-threaded workers (see :meth:`Pipeline._run_chunked`); on a GPU it
-runs whole.  Both give the same result.
+Run eagerly on CPU, a batch runs in slices on single-threaded workers (see :meth:`Pipeline._run_chunked`);
+compiled, the kernels split the batch across the threads themselves.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-Params = dict[str, Tensor]
-#: Params key of a horizontal flip folded into the op before it (see ``BatchOp.fuses_flip``).
-FLIP_AFTER = "flip_after"
+from vision.data.compiled import CompiledOps, ops_runner
+from vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
-
-@dataclass
-class RaggedBatch:
-    """Images of different sizes packed top-left into one zero-padded canvas.
-
-    ``canvas`` is ``(N, C, Hmax, Wmax)`` uint8; ``heights`` and ``widths`` are int64 ``(N,)`` CPU tensors with
-    each image's true size.  Resizing ops only ever read inside each image's true extent.
-    """
-
-    canvas: Tensor
-    heights: Tensor
-    widths: Tensor
-
-    @classmethod
-    def from_images(cls, images: Sequence[Tensor], device: torch.device | str | None = None) -> "RaggedBatch":
-        if len(images) == 0:
-            raise ValueError("RaggedBatch.from_images: got an empty list of images")
-        channels = {int(im.shape[0]) for im in images}
-        if len(channels) != 1:
-            raise ValueError(f"RaggedBatch.from_images: images have different channel counts {sorted(channels)}")
-        heights = torch.tensor([int(im.shape[-2]) for im in images], dtype=torch.int64)
-        widths = torch.tensor([int(im.shape[-1]) for im in images], dtype=torch.int64)
-        device = torch.device(device) if device is not None else images[0].device
-        canvas = torch.zeros(
-            (len(images), channels.pop(), int(heights.max()), int(widths.max())), dtype=images[0].dtype, device=device
-        )
-        for i, im in enumerate(images):
-            canvas[i, :, : im.shape[-2], : im.shape[-1]].copy_(im, non_blocking=True)
-        return cls(canvas, heights, widths)
-
-    def __len__(self) -> int:
-        return int(self.canvas.shape[0])
-
-    def __getitem__(self, rows: slice) -> "RaggedBatch":
-        """The images ``rows`` (a slice) of the batch."""
-        return RaggedBatch(self.canvas[rows], self.heights[rows], self.widths[rows])
-
-
-class BatchOp:
-    """Base class of a batched op: ``sample`` draws per-sample params on the CPU, ``apply`` runs them.
-
-    Every params tensor has the batch in dim 0, and a sample's result may depend only on its own image and
-    params (unless ``mixes_targets``): the pipeline may run any slice of a batch on its own.
-    """
-
-    #: True for ops that can take a :class:`RaggedBatch` (they resize everything to one output size).
-    accepts_ragged: bool = False
-    #: True for ops that also transform the targets (mixup / cutmix).
-    mixes_targets: bool = False
-    #: True for ops whose ``apply(store, params, index=...)`` can pick the batch out of a larger store.
-    fuses_gather: bool = False
-    #: True for ops that mirror their output where ``params[FLIP_AFTER]`` (N,) is set, at no extra cost;
-    #: the pipeline then folds a directly following :class:`~vision.data.geometry.HorizontalFlip` into them.
-    fuses_flip: bool = False
-    #: True for ops whose ``apply(..., out=buffer)`` can write their result straight into the pipeline's
-    #: output (any dtype and memory format), saving the final conversion pass.
-    writes_out: bool = False
-
-    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
-        """Draw the parameters for ``n`` samples of size ``height`` x ``width`` (ints, or (N,) tensors)."""
-        return {}
-
-    def apply(self, images: Any, params: Params) -> Tensor:
-        raise NotImplementedError
-
-    def apply_targets(self, targets: Tensor, params: Params) -> Tensor:
-        return targets
-
-    def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        return height, width
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
+__all__ = ["BatchOp", "Params", "Pipeline", "RaggedBatch", "check_image_batch"]
 
 
 def _params_to(params: Params, device: torch.device) -> Params:
@@ -117,9 +46,12 @@ class Pipeline:
         ops: the ops, in order.
         dtype: floating dtype of the output images (e.g. ``torch.float32`` or ``torch.bfloat16``).
         channels_last: return images in ``torch.channels_last`` memory format.
+        compile: run the ops' ``apply`` as one ``torch.compile`` graph (compiled on the first batch, once per
+            input and output size); ``False`` runs them eagerly.
     """
 
-    def __init__(self, ops: Sequence[BatchOp], dtype: torch.dtype = torch.float32, channels_last: bool = True):
+    def __init__(self, ops: Sequence[BatchOp], dtype: torch.dtype = torch.float32, channels_last: bool = True,
+                 compile: bool = True):
         ops = list(ops)
         for i, op in enumerate(ops):
             if not isinstance(op, BatchOp):
@@ -129,6 +61,10 @@ class Pipeline:
         self.ops = ops
         self.dtype = dtype
         self.channels_last = channels_last
+        self.compile = compile
+        self._steps = _fold_steps(ops)
+        self._segments: list[tuple[int, int, CompiledOps | None]] | None = None
+        self._compile_failed = False
 
     @property
     def mixes_targets(self) -> bool:
@@ -153,90 +89,158 @@ class Pipeline:
         """Augment one batch. ``params`` (from :meth:`sample`) replaces sampling when given.
 
         With ``index`` (N,), ``images`` is a larger store and the batch is ``images[index]``; a first op that
-        can, fuses that gather into its own (saves one pass over the batch).
+        can, fuses that gather into its own (saves one pass over the batch).  ``index`` is best given on
+        the CPU (the tables built from it are CPU work).
         """
-        fused_index = None
+        ragged = isinstance(images, RaggedBatch)
         if index is not None:
-            if isinstance(images, RaggedBatch):
+            if ragged:
                 raise TypeError("Pipeline: index= is only supported with a tensor image store")
             check_image_batch(images)
-            if self.ops and self.ops[0].fuses_gather:
-                fused_index = index
-            else:
-                images = images.index_select(0, index.to(images.device))
-        if fused_index is not None:
-            n, height, width, device = index.shape[0], int(images.shape[-2]), int(images.shape[-1]), images.device
-        elif isinstance(images, RaggedBatch):
+            if not (self.ops and self.ops[0].fuses_gather):
+                images, index = images.index_select(0, index.to(images.device)), None
+        if isinstance(images, RaggedBatch):
             if not self.ops or not self.ops[0].accepts_ragged:
                 first = type(self.ops[0]).__name__ if self.ops else "nothing"
                 raise ValueError(
                     "Pipeline: images of different sizes need a resizing first op "
                     f"(RandomResizedCrop, Resize, ResizeCenterCrop), but the first op is {first}"
                 )
-            n, height, width, device = len(images), images.heights, images.widths, images.canvas.device
+            source, n, height, width = images.canvas, len(images), images.heights, images.widths
         else:
             check_image_batch(images)
-            n, height, width, device = images.shape[0], int(images.shape[-2]), int(images.shape[-1]), images.device
-        if params is None:
-            generator = generator if generator is not None else torch.Generator().manual_seed(0)
-            params = self.sample(n, height, width, generator)
-        if len(params) != len(self.ops):
-            raise ValueError(f"Pipeline: got {len(params)} param dicts for {len(self.ops)} ops")
-        plan = self._plan(params)
-        channels = images.canvas.shape[1] if isinstance(images, RaggedBatch) else images.shape[1]
-        out = self._empty_output(n, channels, height, width, device)
-        if device.type == "cpu" and not self.mixes_targets:
-            chunk = _cpu_chunk_size(n, out.shape[-2] * out.shape[-1])
-            if chunk < n:
-                self._run_chunked(images, plan, chunk, fused_index, out)
-                return out, targets
-        x: Any = images
-        for i, (op, p) in enumerate(plan):
-            p = _params_to(p, device)
-            kwargs: dict[str, Any] = {}
-            if i == 0 and fused_index is not None:
-                kwargs["index"] = fused_index
-            if i == len(plan) - 1 and op.writes_out:
-                kwargs["out"] = out
-            x = op.apply(x, p, **kwargs)
-            if targets is not None and op.mixes_targets:
-                targets = op.apply_targets(targets, p)
-        if isinstance(x, RaggedBatch):
-            raise ValueError("Pipeline: the batch still has images of different sizes after all ops")
-        if x is not out:
-            out.copy_(x)  # dtype and memory format in one pass
+            source = images
+            n = index.shape[0] if index is not None else images.shape[0]
+            height, width = int(images.shape[-2]), int(images.shape[-1])
+        # Parameters and tables are made outside inference mode (Lightning evaluates in it): inference tensors
+        # would be new kinds of inputs to the compiled graph, compiling it a second time.
+        with torch.inference_mode(False), torch.no_grad():
+            if params is None:
+                generator = generator if generator is not None else torch.Generator().manual_seed(0)
+                params = self.sample(n, height, width, generator)
+            if len(params) != len(self.ops):
+                raise ValueError(f"Pipeline: got {len(params)} param dicts for {len(self.ops)} ops")
+            prepared = self._prepare(params, tuple(source.shape), n, index, source.device)
+        index = index.to(source.device) if index is not None else None
+        if not self.compile or self._compile_failed or n == 1:
+            # A batch of one runs eagerly: PyTorch specialises sizes 0 and 1, so it would compile a second graph.
+            return self._run_eager(source, prepared, index, targets)
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                out, targets = self._run_compiled(source, prepared, index, targets, ragged)
+        except Exception as compiled_error:
+            out, targets = self._run_eager(source, prepared, index, targets)  # the ops' own errors raise here
+            self._compile_failed = True
+            message = str(compiled_error).strip().splitlines()[0] if str(compiled_error).strip() else ""
+            warnings.warn(f"Pipeline: torch.compile failed ({type(compiled_error).__name__}: {message}); "
+                          "running this pipeline's ops eagerly from now on", stacklevel=2)
         return out, targets
 
-    def _empty_output(self, n: int, channels: int, height: Any, width: Any, device: torch.device) -> Tensor:
+    # ------------------------------------------------------------------------------------------- planning
+    def _prepare(self, params: list[Params], shape: tuple[int, ...], n: int, index: Tensor | None,
+                 device: torch.device) -> list[Params]:
+        """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on ``device``."""
+        index_cpu = index.cpu() if index is not None else None
+        prepared = []
+        for step in self._steps:
+            op = self.ops[step[0]]
+            merged = dict(params[step[0]])
+            for j in step[1:]:
+                merged.update(self.ops[j].fold_as(params[j]))
+            prepared.append(_params_to(op.prepare(merged, shape, index_cpu if not prepared else None), device))
+            height, width = op.output_size(shape[-2], shape[-1])
+            shape = (n, shape[1], int(height), int(width))
+        return prepared
+
+    def _finish(self, x: Tensor) -> Tensor:
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return x.to(self.dtype).contiguous(memory_format=fmt)
+
+    def _step_ops(self) -> list[BatchOp]:
+        return [self.ops[step[0]] for step in self._steps]
+
+    def _compiled_segments(self) -> list[tuple[int, int, CompiledOps | None]]:
+        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops that cannot be traced."""
+        if self._segments is None:
+            ops = self._step_ops()
+            segments, start = [], 0
+            for end in range(1, len(ops) + 1):
+                if end == len(ops) or ops[end].compilable != ops[start].compilable:
+                    last = end == len(ops)
+                    compiled = None
+                    if ops[start].compilable:
+                        compiled = CompiledOps(ops_runner(ops[start:end], self._finish if last else None))
+                    segments.append((start, end, compiled))
+                    start = end
+            self._segments = segments
+        return self._segments
+
+    # ------------------------------------------------------------------------------------------- running
+    def _run_compiled(self, x: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None,
+                      ragged: bool) -> tuple[Tensor, Tensor | None]:
+        ops = self._step_ops()
+        if not ops:
+            return self._finish(x), targets
+        n = index.shape[0] if index is not None else x.shape[0]
+        chunk = 4 * torch.get_num_threads()
+        if (x.device.type == "cpu" and not self.mixes_targets and n > chunk
+                and self._output_pixels(x) >= _LARGE_OUTPUT):
+            # Large images: a few per call and thread, so that the kernels' intermediate planes stay in
+            # each core's cache (the whole batch's would go through memory: twice as slow on a 2-core CPU).
+            out = self._empty_output(n, x)
+            for s in range(0, n, chunk):
+                rows = slice(s, s + chunk)
+                part = [{k: v[rows] for k, v in p.items()} for p in prepared]
+                sub = (x, index[rows]) if index is not None else (x[rows], None)
+                self._run_segments(ops, sub[0], part, sub[1], None, ragged, out[rows])
+            return out, targets
+        return self._run_segments(ops, x, prepared, index, targets, ragged)
+
+    def _run_segments(self, ops: list[BatchOp], x: Tensor, prepared: list[Params], index: Tensor | None,
+                      targets: Tensor | None, ragged: bool, out: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor | None]:
+        for start, end, compiled in self._compiled_segments():
+            last = end == len(ops)
+            if compiled is not None:
+                x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0,
+                                      out if last else None)
+            else:
+                x, targets = ops_runner(ops[start:end], self._finish if last else None)(
+                    x, prepared[start:end], index, targets, out if last else None)
+            index = None
+        return x, targets
+
+    def _run_eager(self, source: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None
+                   ) -> tuple[Tensor, Tensor | None]:
+        ops = self._step_ops()
+        n = index.shape[0] if index is not None else source.shape[0]
+        if source.device.type == "cpu" and not self.mixes_targets:
+            chunk = _cpu_chunk_size(n, self._output_pixels(source))
+            if chunk < n:
+                out = self._empty_output(n, source)
+                self._run_chunked(ops, source, prepared, chunk, index, out)
+                return out, targets
+        return ops_runner(ops, self._finish)(source, prepared, index, targets)
+
+    def _output_size(self, source: Tensor) -> tuple[int, int]:
+        height, width = int(source.shape[-2]), int(source.shape[-1])
         for op in self.ops:
             height, width = op.output_size(height, width)
-        if isinstance(height, Tensor):
-            raise ValueError("Pipeline: the batch still has images of different sizes after all ops")
+        return int(height), int(width)
+
+    def _output_pixels(self, source: Tensor) -> int:
+        height, width = self._output_size(source)
+        return height * width
+
+    def _empty_output(self, n: int, source: Tensor) -> Tensor:
+        height, width = self._output_size(source)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        return torch.empty((n, channels, int(height), int(width)), dtype=self.dtype, device=device, memory_format=fmt)
+        return torch.empty((n, source.shape[1], int(height), int(width)), dtype=self.dtype, device=source.device,
+                           memory_format=fmt)
 
-    def _plan(self, params: list[Params]) -> list[tuple[BatchOp, Params]]:
-        """The (op, params) pairs to run: a HorizontalFlip right after an op that ``fuses_flip`` is folded
-        into it (one pass less; the result is identical)."""
-        from vision.data.geometry import HorizontalFlip  # geometry imports this module
-
-        plan: list[tuple[BatchOp, Params]] = []
-        i = 0
-        while i < len(self.ops):
-            op, p = self.ops[i], params[i]
-            nxt = self.ops[i + 1] if i + 1 < len(self.ops) else None
-            if op.fuses_flip and type(nxt) is HorizontalFlip:
-                p = {**p, FLIP_AFTER: params[i + 1]["flip"]}
-                i += 1
-            plan.append((op, p))
-            i += 1
-        return plan
-
-    def _run_chunked(
-        self, images: Tensor | RaggedBatch, plan: list[tuple[BatchOp, Params]], chunk: int, index: Tensor | None,
-        out: Tensor,
-    ) -> None:
-        """CPU: run the ops on slices of the batch, in parallel on single-threaded workers, into ``out``.
+    def _run_chunked(self, ops: list[BatchOp], source: Tensor, prepared: list[Params], chunk: int,
+                     index: Tensor | None, out: Tensor) -> None:
+        """Eagerly on CPU: run the ops on slices of the batch, in parallel on single-threaded workers.
 
         Same result as the whole batch (every op is per sample).  Workers with one thread each, rather than
         multi-threaded ops, keep going when another process takes a core (no barrier after every op), like
@@ -245,17 +249,11 @@ class Pipeline:
         starts = list(range(0, out.shape[0], chunk))
 
         def run_into(s: int) -> None:
-            x: Any = images if index is not None else images[s: s + chunk]
-            dest = out[s: s + chunk]
-            for i, (op, p) in enumerate(plan):
-                kwargs: dict[str, Any] = {}
-                if i == 0 and index is not None:
-                    kwargs["index"] = index[s: s + chunk]
-                if i == len(plan) - 1 and op.writes_out:
-                    kwargs["out"] = dest
-                x = op.apply(x, {k: v[s: s + chunk] for k, v in p.items()}, **kwargs)
-            if x is not dest:
-                dest.copy_(x)
+            rows = slice(s, s + chunk)
+            x = source if index is not None else source[rows]
+            part = [{k: v[rows] for k, v in p.items()} for p in prepared]
+            y, _ = ops_runner(ops, None)(x, part, index[rows] if index is not None else None, None)
+            out[rows].copy_(y)
 
         threads = torch.get_num_threads()
         if threads > 1 and len(starts) > 1:
@@ -274,7 +272,25 @@ class Pipeline:
 
     def __repr__(self) -> str:
         inner = "".join(f"\n  {op!r}," for op in self.ops)
-        return f"Pipeline([{inner}\n], dtype={self.dtype}, channels_last={self.channels_last})"
+        return (f"Pipeline([{inner}\n], dtype={self.dtype}, channels_last={self.channels_last}, "
+                f"compile={self.compile})")
+
+
+def _fold_steps(ops: list[BatchOp]) -> list[list[int]]:
+    """Group each op with the ops right after it that it declares it can take over (``folds``/``fold_key``)."""
+    steps: list[list[int]] = []
+    i = 0
+    while i < len(ops):
+        step, taken = [i], set()
+        while i + len(step) < len(ops):
+            key = ops[i + len(step)].fold_key
+            if key is None or key not in ops[i].folds or key in taken:
+                break
+            taken.add(key)
+            step.append(i + len(step))
+        steps.append(step)
+        i += len(step)
+    return steps
 
 
 #: Output pixels per sample above which CPU chunks hold a few samples (their float intermediates then stay
@@ -296,28 +312,3 @@ def _cpu_pool(threads: int) -> ThreadPoolExecutor:
     if key not in _POOLS:
         _POOLS[key] = ThreadPoolExecutor(threads, "vision-data", initializer=torch.set_num_threads, initargs=(1,))
     return _POOLS[key]
-
-
-def check_image_batch(images: Any) -> None:
-    """Raise a clear error unless ``images`` is a ``(N, C, H, W)`` uint8 or floating tensor."""
-    if not isinstance(images, Tensor):
-        raise TypeError(f"expected a (N, C, H, W) tensor of images, got {type(images).__name__}")
-    if images.ndim != 4:
-        raise ValueError(f"expected images of shape (N, C, H, W), got shape {tuple(images.shape)}")
-    if images.dtype != torch.uint8 and not images.dtype.is_floating_point:
-        raise TypeError(f"expected uint8 (0..255) or floating images, got dtype {images.dtype}")
-    if images.shape[1] not in (1, 3):
-        raise ValueError(f"expected 1 or 3 channels in dim 1 (N, C, H, W), got shape {tuple(images.shape)}")
-
-
-def as_float(images: Tensor) -> Tensor:
-    """uint8 -> float32 in 0..255 units (no scaling); floats pass through."""
-    return images.float() if images.dtype == torch.uint8 else images
-
-
-def uniform(n: int, low: float, high: float, generator: torch.Generator) -> Tensor:
-    return torch.rand(n, generator=generator, dtype=torch.float64) * (high - low) + low
-
-
-def bernoulli(n: int, p: float, generator: torch.Generator) -> Tensor:
-    return torch.rand(n, generator=generator) < p

@@ -4,7 +4,8 @@
 >>> module, datamodule = build("digits-small")
 """
 
-from vision.recipes._augment import AlternatingFlipCrop, TrivialAugmentWide
+from vision.data.geometry import AlternatingFlipCrop
+from vision.data.trivial_augment import TrivialAugmentWide
 from vision.recipes._build import (
     build, build_datamodule, build_module, build_trainer, data_kwargs, default_callbacks, module_kwargs,
     recipe_defaults, trainer_kwargs,

@@ -13,10 +13,11 @@ import torch
 
 from vision.data.color import ColorJitter, Normalize
 from vision.data.erasing import CoarseDropout, Erasing
-from vision.data.geometry import HorizontalFlip, RandomCrop, RandomResizedCrop
+from vision.data.geometry import AlternatingFlipCrop, HorizontalFlip, RandomCrop, RandomResizedCrop
 from vision.data.mixing import MixupCutmix
-from vision.data.pipeline import BatchOp, Pipeline
-from vision.recipes._augment import AlternatingFlipCrop, TrivialAugmentWide
+from vision.data.ops import BatchOp
+from vision.data.pipeline import Pipeline
+from vision.data.trivial_augment import TrivialAugmentWide
 from vision.recipes._recipe import AugmentConfig
 
 __all__ = ["build_train_pipeline"]

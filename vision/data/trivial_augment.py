@@ -1,91 +1,20 @@
-"""Two batch ops the recipes need that ``vision.data`` does not have: airbench's alternating flip and
-TrivialAugmentWide.
+"""TrivialAugmentWide (torchvision's ``ta_wide``) as a batch op with per-sample draws.
 
-Both follow the ``vision.data`` op contract (``sample`` draws parameters on the CPU with an explicit
-generator, ``apply`` runs them on the device) so they slot into a ``Pipeline`` next to the built-in ops.
+Not batched: each sample's op runs through ``torchvision.transforms.v2.functional`` on its own.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from vision.data.geometry import RandomCrop
-from vision.data.pipeline import BatchOp, Params
+from vision.data.ops import BatchOp, Params
 
-__all__ = ["AlternatingFlipCrop", "TrivialAugmentWide", "TRIVIAL_AUGMENT_OPS"]
-
-
-class AlternatingFlipCrop(RandomCrop):
-    """Random pad-and-crop (translate) plus airbench's *alternating* horizontal flip, in one gather.
-
-    Alternating flip (Jordan 2024, arXiv 2404.00498): each image gets a fixed random bit; in even epochs the
-    images whose bit is set are mirrored, in odd epochs exactly the others. Every image is then seen both ways
-    every two epochs, which cuts the steps to 94% on CIFAR-10 by about 10% against independent random flips.
-
-    The flip of a sample depends on *which* image it is, so this op must be the first op of the pipeline and
-    the loader must keep the data set resident (``DeviceLoader`` then hands the op the sample indices). When it
-    gets an already-gathered batch instead, it falls back to independent random flips (p = 0.5) and warns once.
-
-    Args:
-        size, padding, padding_mode, fill: as :class:`vision.data.RandomCrop` (``size=None`` = translate).
-        epoch: a zero-argument callable returning the current epoch (the train loader's ``epoch``).
-        seed: seed of the per-image bits.
-    """
-
-    def __init__(
-        self,
-        size: int | tuple[int, int] | None,
-        padding: int = 0,
-        padding_mode: str = "reflect",
-        fill: float = 0.0,
-        *,
-        epoch: Callable[[], int],
-        seed: int = 0,
-    ) -> None:
-        super().__init__(size, padding=padding, padding_mode=padding_mode, fill=fill)  # type: ignore[arg-type]
-        if not callable(epoch):
-            raise TypeError(f"AlternatingFlipCrop: epoch must be a callable returning the epoch, got {epoch!r}")
-        self._epoch = epoch
-        self.seed = int(seed)
-        self._bits: Tensor | None = None
-        self._warned = False
-
-    def image_bits(self, num_images: int, device: torch.device | str = "cpu") -> Tensor:
-        """The fixed per-image bit (bool, ``num_images``), drawn once from ``seed`` (cached on ``device``)."""
-        device = torch.device(device)
-        if self._bits is None or self._bits.numel() != num_images or self._bits.device != device:
-            g = torch.Generator().manual_seed(self.seed)
-            self._bits = (torch.rand(num_images, generator=g) < 0.5).to(device)
-        return self._bits
-
-    @override
-    def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
-        params = super().sample(n, height, width, generator)
-        params["random_flip"] = torch.rand(n, generator=generator) < 0.5  # fallback only
-        return params
-
-    @override
-    def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
-        if index is not None:
-            bits = self.image_bits(images.shape[0], index.device)[index]
-            flip = bits ^ bool(self._epoch() % 2)
-        else:
-            if not self._warned:
-                warnings.warn(
-                    "AlternatingFlipCrop got a batch without sample indices (the loader does not keep the data "
-                    "set resident, or the op is not first in the pipeline): using independent random flips",
-                    stacklevel=2,
-                )
-                self._warned = True
-            flip = params["random_flip"]
-        return super().apply(images, {**params, "flip": flip}, index=index)
+__all__ = ["TRIVIAL_AUGMENT_OPS", "TrivialAugmentWide", "trivial_augment_op"]
 
 
 def _signed(values: Tensor) -> tuple[Tensor, bool]:
@@ -118,9 +47,12 @@ class TrivialAugmentWide(BatchOp):
 
     Each sample gets its own op and strength. Ops run one sample at a time through
     ``torchvision.transforms.v2.functional`` on uint8, so this op is correct but not batched: it costs
-    roughly one small kernel launch per sample on a GPU. Float input (0..255 units, e.g. after a resized
-    crop) is rounded to uint8 first; the output is uint8.
+    roughly one small kernel launch per sample on a GPU, and a compiled pipeline runs it eagerly between
+    its compiled parts. Float input (0..255 units, e.g. after a resized crop) is rounded to uint8 first;
+    the output is uint8.
     """
+
+    compilable = False  # a Python loop over samples with per-sample torchvision calls
 
     @override
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:

@@ -1,0 +1,88 @@
+"""Running a run of a pipeline's ops as one ``torch.compile`` graph.
+
+The parameters are drawn and turned into tables on the CPU before (see :mod:`vision.data.ops`); what is
+compiled is the ops' ``apply`` chain, from the uint8 batch (or the store and the batch's indices) to the
+output in its final dtype and memory format.  Inductor fuses it into a few loops that read the uint8 pixels
+once and write the output once, where the eager ops materialise a float copy of the batch per op.
+
+One compile per pipeline and input/output size: the batch dimension of every input is marked dynamic
+(a batch of one runs eagerly: PyTorch specialises sizes 0 and 1), and so are the height and width of a
+ragged canvas, whose size changes from batch to batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vision.data.ops import BatchOp, Params
+
+#: The torch.compile backend (tests put a failing one here to check the eager fallback).
+BACKEND: str | Callable[..., Any] = "inductor"
+_ids = itertools.count()
+
+RunOps = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+def ops_runner(ops: Sequence[BatchOp], finish: Callable[[Tensor], Tensor] | None) -> RunOps:
+    """``run(x, params, index, targets, out=None) -> (x, targets)``: the ops' ``apply`` in order; the first
+    gets ``index`` (the batch's rows of a store) when given; ``finish`` converts the last op's output, which
+    is written into ``out`` when given (compiled, the last kernel stores straight into it)."""
+
+    def run(x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None,
+            out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        for i, (op, p) in enumerate(zip(ops, params)):
+            x = op.apply(x, p, index=index) if i == 0 and index is not None else op.apply(x, p)
+            if targets is not None and op.mixes_targets:
+                targets = op.apply_targets(targets, p)
+        if finish is not None:
+            x = finish(x)
+        if out is not None:
+            out.copy_(x)
+            x = out
+        return x, targets
+
+    return run
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """``fn`` with a code object of its own.
+
+    Dynamo keeps its compiled graphs per code object, with a limit of 8: every pipeline's runner shares the
+    code of ``ops_runner.run``, so without this a process with more than 8 pipelines (or sizes) would
+    silently run the rest uncompiled.
+    """
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+class CompiledOps:
+    """A :func:`ops_runner` compiled on its first call, with the batch dimension dynamic."""
+
+    def __init__(self, run: RunOps):
+        name = f"vision_data_pipeline_{next(_ids)}"
+        self._compiled = torch.compile(_own_code(run, name), backend=BACKEND, dynamic=False, fullgraph=True)
+
+    def __call__(self, x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None,
+                 ragged: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if out is not None:
+            torch._dynamo.mark_dynamic(out, 0)
+        for p in params:
+            for t in p.values():
+                if t.ndim:
+                    torch._dynamo.mark_dynamic(t, 0)
+        if index is not None:
+            torch._dynamo.mark_dynamic(index, 0)
+        else:
+            torch._dynamo.mark_dynamic(x, 0)
+            if ragged:  # the canvas is as large as the batch's largest image
+                torch._dynamo.maybe_mark_dynamic(x, 2)
+                torch._dynamo.maybe_mark_dynamic(x, 3)
+        if targets is not None:
+            torch._dynamo.mark_dynamic(targets, 0)
+        return self._compiled(x, params, index, targets, out)
