@@ -119,7 +119,7 @@ class CompiledStrategyMixin:
                 rank_zero_info(report.summary())
 
     def _restore_lightning_module(self) -> None:
-        self._save_compile_cache()
+        self._save_compile_cache(at_end=True)
         self._compiler.restore(self.lightning_module)  # type: ignore[attr-defined]
 
     def _load_compile_cache(self, module: torch.nn.Module) -> None:
@@ -133,10 +133,13 @@ class CompiledStrategyMixin:
         if found is not None and load_compile_cache(found, self.root_device):  # type: ignore[attr-defined]
             rank_zero_info(f"{type(self).__name__}: loaded the compile cache {found}")
 
-    def _save_compile_cache(self) -> None:
-        """Write the compile cache when this run compiled something since the last write (global rank 0)."""
+    def _save_compile_cache(self, at_end: bool = False) -> None:
+        """Write the compile cache (global rank 0) when this run compiled something since the last write,
+        and at the end when the run's folder has none yet (a fit that reused graphs compiled in this process)."""
         compiled = len(self._compiler.stats.frame_records)
-        if self._cache_file is None or compiled == self._frames_at_cache_save:
+        if self._cache_file is None:
+            return
+        if compiled == self._frames_at_cache_save and not (at_end and not self._cache_file.exists()):
             return
         if self.is_global_zero and save_compile_cache(self._cache_file, self.root_device):  # type: ignore[attr-defined]
             rank_zero_info(f"{type(self).__name__}: saved the compile cache {self._cache_file}")
