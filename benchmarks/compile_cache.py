@@ -99,7 +99,8 @@ def worker(model: str, cache_file: str | None, batch: int, size: int) -> dict[st
     compile_mixin.load_compile_cache = timed_load
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(2 * batch, 3, size, size, generator=g), torch.randint(0, 10, (2 * batch,), generator=g))
+    data = TensorDataset(torch.randn(2 * batch, 3, size, size, generator=g),
+                         torch.randint(0, 10, (2 * batch,), generator=g))
     timer = FirstStepTimer()
     strategy = lightning_plugin.CompiledStrategy(cache=cache_file or False, compile_eval=False)
     trainer = L.Trainer(accelerator="auto", devices=1, strategy=strategy, max_epochs=1, logger=False,
@@ -135,14 +136,16 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
             runs["load"].append(loaded["load_s"])
             runs["warm"].append(warm["first_step_s"])
             runs["cache_mb"].append(os.path.getsize(cache_file) / 2**20)
-            print(f"{model} repeat {repeat + 1}: cold {cold['first_step_s']:.1f}s, loaded "
-                  f"{loaded['first_step_s']:.1f}s + load {loaded['load_s']:.2f}s, warm {warm['first_step_s']:.1f}s",
-                  flush=True)
+            print(f"{model} repeat {repeat + 1}: cold {cold['first_step_s']:.1f}s, "
+                  f"loaded {loaded['first_step_s']:.1f}s + load {loaded['load_s']:.2f}s, "
+                  f"warm {warm['first_step_s']:.1f}s", flush=True)
     return runs
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=32)
@@ -164,7 +167,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = write_results(f"compile_cache-{device}", {"args": vars(args), "runs": raw, "results": rows})
     print(f"results written to {path}")
-    print_table(rows, ["model", "cold_s", "loaded_s", "load_s", "loaded/cold", "warm_local_s", "warm/cold", "cache_mb"])
+    print_table(rows, ["model", "cold_s", "loaded_s", "load_s", "loaded/cold", "warm_local_s", "warm/cold",
+                       "cache_mb"])
 
 
 if __name__ == "__main__":

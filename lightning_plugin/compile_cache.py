@@ -77,7 +77,7 @@ def save_compile_cache(path: str | os.PathLike[str], device: torch.device) -> bo
 
 
 def load_compile_cache(path: str | os.PathLike[str], device: torch.device) -> bool:
-    """Load ``path`` into this process's compile caches; False (with one warning line) when it cannot serve."""
+    """Load ``path`` into this process's compile caches; False (and one warning line) when it cannot serve."""
     path = Path(path)
     key = (str(path.resolve()), path.stat().st_mtime)
     if key in _LOADED:
@@ -85,13 +85,15 @@ def load_compile_cache(path: str | os.PathLike[str], device: torch.device) -> bo
     try:
         header, parts = _read(path)
     except (OSError, ValueError) as err:
-        warnings.warn(f"compile cache {path} is unreadable ({err}); not loaded, compiling from scratch", stacklevel=2)
+        warnings.warn(f"compile cache {path} is unreadable ({err}); not loaded, compiling from scratch",
+                      stacklevel=2)
         return False
     made_in, here = header.get("environment", {}), environment(device)
     differs = [f"{k} {made_in.get(k)!s} here {here[k]!s}" for k in here if made_in.get(k) != here[k]]
     if differs:
         warnings.warn(
-            f"compile cache {path} was made elsewhere ({'; '.join(differs)}); not loaded, compiling from scratch",
+            f"compile cache {path} was made elsewhere ({'; '.join(differs)}); "
+            "not loaded, compiling from scratch",
             stacklevel=2,
         )
         return False
@@ -160,8 +162,9 @@ def cache_locations(setting: bool | str | os.PathLike[str], trainer: Any) -> tup
     checkpoint = getattr(trainer, "checkpoint_callback", None)
     save = Path(getattr(checkpoint, "dirpath", None) or trainer.default_root_dir) / CACHE_FILE_NAME
     resumed_from = trainer.ckpt_path
-    candidates = [Path(resumed_from).parent / CACHE_FILE_NAME] if resumed_from and os.path.isfile(resumed_from) else []
-    return [*candidates, save], save
+    if resumed_from and os.path.isfile(resumed_from):
+        return [Path(resumed_from).parent / CACHE_FILE_NAME, save], save
+    return [save], save
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:

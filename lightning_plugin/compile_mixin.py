@@ -24,7 +24,9 @@ CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) 
 _Init = TypeVar("_Init", bound=Callable[..., None])
 
 
-def build_config(config: CompileConfig | None, owner: str = "compile settings", **settings: Any) -> CompileConfig:
+def build_config(
+    config: CompileConfig | None, owner: str = "compile settings", **settings: Any
+) -> CompileConfig:
     """One ``CompileConfig`` from either a config object or keyword arguments, not a mix of both."""
     unknown = sorted(set(settings) - set(CONFIG_DEFAULTS))
     if unknown:
@@ -49,7 +51,7 @@ def split_compile_settings(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict
 
 
 def with_compile_settings(forwards_other_kwargs: bool = False) -> Callable[[_Init], _Init]:
-    """Show ``CompileConfig``'s fields as keyword-only parameters of an ``__init__`` that takes them as ``**kwargs``.
+    """Show ``CompileConfig``'s fields as keyword-only parameters of an ``__init__`` taking ``**kwargs``.
 
     One definition (the dataclass) serves every class that accepts compile settings; the
     signature is what ``LightningCLI``/jsonargparse, ``help()`` and ``inspect`` read. With
@@ -64,11 +66,12 @@ def with_compile_settings(forwards_other_kwargs: bool = False) -> Callable[[_Ini
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[name])
             for name, default in CONFIG_DEFAULTS.items()
         ]
-        plain = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        first_keyword_only = next((i for i, p in enumerate(plain) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(plain))
-        var_keyword = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD] if forwards_other_kwargs else []
-        parameters = [*plain[:first_keyword_only], *settings, *plain[first_keyword_only:], *var_keyword]
-        init.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+        var_keyword = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD]
+        plain = [p for p in own if p not in var_keyword]
+        split = next((i for i, p in enumerate(plain) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(plain))
+        tail = var_keyword if forwards_other_kwargs else []
+        parameters = [*plain[:split], *settings, *plain[split:], *tail]
+        init.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         return init
 
     return decorate
@@ -134,14 +137,15 @@ class CompiledStrategyMixin:
             rank_zero_info(f"{type(self).__name__}: loaded the compile cache {found}")
 
     def _save_compile_cache(self, at_end: bool = False) -> None:
-        """Write the compile cache (global rank 0) when this run compiled something since the last write,
-        and at the end when the run's folder has none yet (a fit that reused graphs compiled in this process)."""
+        """Write the compile cache (global rank 0) when this run compiled something since the last write, and
+        at the end when the run's folder has none yet (a fit that reused graphs compiled in this process)."""
         compiled = len(self._compiler.stats.frame_records)
         if self._cache_file is None:
             return
         if compiled == self._frames_at_cache_save and not (at_end and not self._cache_file.exists()):
             return
-        if self.is_global_zero and save_compile_cache(self._cache_file, self.root_device):  # type: ignore[attr-defined]
+        device = self.root_device  # type: ignore[attr-defined]
+        if self.is_global_zero and save_compile_cache(self._cache_file, device):  # type: ignore[attr-defined]
             rank_zero_info(f"{type(self).__name__}: saved the compile cache {self._cache_file}")
         self._frames_at_cache_save = compiled
 

@@ -87,7 +87,8 @@ class CompileStats:
         """Record the frames dynamo compiled since ``watch``; return those it gave up on and ran eagerly."""
         if counters["frames"]["total"] == watch.frames_attempted:
             return []  # the common case: every frame hit dynamo's cache
-        new = [_frame_record(m) for m in get_compilation_metrics() if (m.start_time_us or 0) >= watch.started_us]
+        metrics = get_compilation_metrics()
+        new = [_frame_record(m) for m in metrics if (m.start_time_us or 0) >= watch.started_us]
         self.frame_records.extend(new)
         return [r for r in new if r.skipped]
 
@@ -128,7 +129,8 @@ class CompileStats:
         # record still names it (as the reason it restarted tracing).
         with_graph = {r.name for r in self.graph_records}
         for frame in self.frame_records:
-            if frame.failure is None and frame.restart_reasons and _graph_name(frame.compile_id) not in with_graph:
+            no_graph = _graph_name(frame.compile_id) not in with_graph
+            if frame.failure is None and frame.restart_reasons and no_graph:
                 reasons.append(_describe(frame.restart_reasons[0]))
         return reasons
 
@@ -142,7 +144,7 @@ class CompileStats:
 
     @property
     def skipped_frames(self) -> list[str]:
-        """Frames dynamo gave up on and ran eagerly (recompile limit hit, graph break in a loop, ...), with why."""
+        """Frames dynamo gave up on and ran eagerly (recompile limit, graph break in a loop, ...), and why."""
         return [f"frame {r.compile_id}: {r.failure}" for r in self.frame_records if r.skipped]
 
     def as_dict(self) -> dict[str, float]:
@@ -171,7 +173,7 @@ class CompileStats:
         return line + (f"; fell back to eager: {self.fallback_reason}" if self.fell_back else "")
 
 
-# dynamo raises SkipFrame for a frame with nothing to compile (no tensor ops): running it eagerly costs nothing.
+# dynamo raises SkipFrame for a frame with nothing to compile (no tensor ops): eager is all it can be
 _NOTHING_TO_COMPILE = "SkipFrame"
 
 
@@ -242,7 +244,7 @@ def _graph_name(compile_id: Any) -> str:
 
 
 def _break_reason(gm: torch.fx.GraphModule) -> str | None:
-    """The reason dynamo ended ``gm`` at a graph break, with the user's line, or None (what ``explain`` reads)."""
+    """Why dynamo ended ``gm`` at a graph break, with the user's line, or None (what ``explain`` reads)."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None

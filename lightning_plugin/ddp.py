@@ -33,7 +33,7 @@ _FITTING = "fit"
 
 
 class CompiledDDPMixin(CompiledStrategyMixin):
-    """DDP, each process compiling ``forward`` before DDP wraps the module; combined with a ``DDPStrategy``."""
+    """DDP, each process compiling ``forward`` before DDP wraps the module; mixed into a ``DDPStrategy``."""
 
     strategy_name = "compiled_ddp"
 
