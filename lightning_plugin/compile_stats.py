@@ -140,7 +140,7 @@ class CompileStats:
 
     @property
     def recompile_reasons(self) -> list[str]:
-        return [r.recompile_reason for r in self.frame_records if r.recompile_reason]
+        return [f"{r.code_name or 'frame'}: {r.recompile_reason}" for r in self.frame_records if r.recompile_reason]
 
     @property
     def skipped_frames(self) -> list[str]:
