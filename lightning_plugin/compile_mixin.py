@@ -1,28 +1,39 @@
-"""Behaviour the single-device and DDP compiled strategies share."""
+"""Behaviour the single-device and DDP compiled strategies share (in both Lightning namespaces)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_plugin.checkpoint_keys import align_to_module, strip_compile_prefix
+from lightning_plugin.compile_cache import cache_locations, load_compile_cache, save_compile_cache
 from lightning_plugin.compile_stats import CompileStats
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import CompileConfig
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
-def build_config(config: CompileConfig | None, **fields: Any) -> CompileConfig:
+
+def build_config(
+    config: CompileConfig | None, owner: str = "compile settings", **settings: Any
+) -> CompileConfig:
     """One ``CompileConfig`` from either a config object or keyword arguments, not a mix of both."""
-    changed = {name: value for name, value in fields.items() if value != CONFIG_DEFAULTS[name]}
+    unknown = sorted(set(settings) - set(CONFIG_DEFAULTS))
+    if unknown:
+        raise TypeError(f"{owner} got unknown compile setting(s) {unknown}; known: {sorted(CONFIG_DEFAULTS)}")
+    changed = {name: value for name, value in settings.items() if value != CONFIG_DEFAULTS[name]}
     if config is None:
-        return CompileConfig(**fields)
+        return CompileConfig(**settings)
     if not isinstance(config, CompileConfig):
         raise TypeError(f"config must be a CompileConfig, got {type(config).__name__}")
     if changed:
@@ -33,6 +44,39 @@ def build_config(config: CompileConfig | None, **fields: Any) -> CompileConfig:
     return config
 
 
+def split_compile_settings(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kwargs`` split into ``CompileConfig`` fields and the rest."""
+    settings = {k: v for k, v in kwargs.items() if k in CONFIG_DEFAULTS}
+    return settings, {k: v for k, v in kwargs.items() if k not in CONFIG_DEFAULTS}
+
+
+def with_compile_settings(forwards_other_kwargs: bool = False) -> Callable[[_Init], _Init]:
+    """Show ``CompileConfig``'s fields as keyword-only parameters of an ``__init__`` taking ``**kwargs``.
+
+    One definition (the dataclass) serves every class that accepts compile settings; the
+    signature is what ``LightningCLI``/jsonargparse, ``help()`` and ``inspect`` read. With
+    ``forwards_other_kwargs`` the ``**kwargs`` stays in the signature for what is not a
+    compile setting (``DistributedDataParallel``'s arguments).
+    """
+
+    def decorate(init: _Init) -> _Init:
+        own = list(inspect.signature(init).parameters.values())
+        hints = typing.get_type_hints(CompileConfig)
+        settings = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[name])
+            for name, default in CONFIG_DEFAULTS.items()
+        ]
+        var_keyword = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD]
+        plain = [p for p in own if p not in var_keyword]
+        split = next((i for i, p in enumerate(plain) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(plain))
+        tail = var_keyword if forwards_other_kwargs else []
+        parameters = [*plain[:split], *settings, *plain[split:], *tail]
+        init.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        return init
+
+    return decorate
+
+
 class CompiledStrategyMixin:
     """Compiles the LightningModule's forward in place; exposes what the compiler did."""
 
@@ -40,6 +84,8 @@ class CompiledStrategyMixin:
 
     def _init_compiler(self, config: CompileConfig) -> None:
         self._compiler = ModuleCompiler(config)
+        self._cache_file: Path | None = None  # where this run writes its compile cache
+        self._frames_at_cache_save = 0
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -69,6 +115,7 @@ class CompiledStrategyMixin:
         module = self.lightning_module  # type: ignore[attr-defined]
         if module is None:
             return
+        self._load_compile_cache(module)
         if self._compiler.compile(module, self.root_device):  # type: ignore[attr-defined]
             config = self._compiler.config
             what = "repeated blocks" if config.regional else "forward"
@@ -88,7 +135,32 @@ class CompiledStrategyMixin:
                 )
 
     def _restore_lightning_module(self) -> None:
+        self._save_compile_cache(at_end=True)
         self._compiler.restore(self.lightning_module)  # type: ignore[attr-defined]
+
+    def _load_compile_cache(self, module: torch.nn.Module) -> None:
+        """Before compiling: load the run's compile cache, if there is one (``CompileConfig.cache``)."""
+        self._cache_file, self._frames_at_cache_save = None, 0
+        trainer = getattr(module, "_trainer", None)
+        if not self._compiler.config.cache or trainer is None:
+            return
+        candidates, self._cache_file = cache_locations(self._compiler.config.cache, trainer)
+        found = next((path for path in candidates if path.is_file()), None)
+        if found is not None and load_compile_cache(found, self.root_device):  # type: ignore[attr-defined]
+            rank_zero_info(f"{type(self).__name__}: loaded the compile cache {found}")
+
+    def _save_compile_cache(self, at_end: bool = False) -> None:
+        """Write the compile cache (global rank 0) when this run compiled something since the last write, and
+        at the end when the run's folder has none yet (a fit that reused graphs compiled in this process)."""
+        compiled = len(self._compiler.stats.frame_records)
+        if self._cache_file is None:
+            return
+        if compiled == self._frames_at_cache_save and not (at_end and not self._cache_file.exists()):
+            return
+        device = self.root_device  # type: ignore[attr-defined]
+        if self.is_global_zero and save_compile_cache(self._cache_file, device):  # type: ignore[attr-defined]
+            rank_zero_info(f"{type(self).__name__}: saved the compile cache {self._cache_file}")
+        self._frames_at_cache_save = compiled
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -104,6 +176,7 @@ class CompiledStrategyMixin:
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self._save_compile_cache()  # the previous step compiled: keep it even if the run dies later
         if self._compiler.config.mode == "reduce-overhead" and self._compiler.is_compiled:
             # CUDA graphs reuse output buffers: mark the step so last step's outputs are not overwritten.
             torch.compiler.cudagraph_mark_step_begin()

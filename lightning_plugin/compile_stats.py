@@ -1,26 +1,21 @@
-"""What the compiler did: graphs, graph breaks, recompiles, compile time, and why.
+"""What the compiler did: graphs, graph breaks, recompiles, compile time, frames run eagerly, and why.
 
-Graphs and compile times are counted by wrapping the backend, so they belong to the
-strategy's own compiled code. Graph breaks and recompile reasons come from dynamo's
-process-wide tables (``counters["graph_break"]`` and ``guard_failures``), read as the
-difference from a snapshot taken when the strategy compiled: code compiled elsewhere in
-the same process during the run is counted too.
+Everything here belongs to the strategy's own compiled code, not to the process: graphs and
+graph breaks are recorded by the strategy's backend (as ``torch._dynamo.explain`` counts
+them), and compile times, recompile reasons and frames dynamo gave up on come from
+dynamo's per-frame compile records made *during the strategy's own forward calls*. A
+``torch.compile`` elsewhere in the process (a metric, another model) never shows up.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
-
-#: dynamo's timing keys that together make a compile's wall time: the whole forward compile (tracing,
-#: AOTAutograd, the backend) and the backward graph that AOTAutograd compiles lazily at the first backward.
-_COMPILE_TIME_KEYS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+from torch._dynamo.utils import counters, get_compilation_metrics
 
 
 @dataclass
@@ -32,6 +27,7 @@ class GraphRecord:
     frame_compile_id: int | None
     num_nodes: int
     compile_time_s: float
+    break_reason: str | None = None  # set when dynamo ended this graph at a graph break
 
     @property
     def is_recompile(self) -> bool:
@@ -39,30 +35,64 @@ class GraphRecord:
 
 
 @dataclass
+class FrameRecord:
+    """One frame dynamo compiled (or gave up on) during the strategy's forward calls."""
+
+    compile_id: str
+    code_name: str | None  # ``forward``, or a resume function dynamo made from it at a graph break
+    seconds: float
+    failure: str | None = None  # first line of the error when dynamo did not compile the frame
+    skipped: bool = False  # dynamo gave up and ran the frame eagerly
+    recompile_reason: str | None = None
+    restart_reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FrameWatch:
+    """Where dynamo's records stood when a forward call began (see :meth:`CompileStats.collect_frames`)."""
+
+    frames_attempted: int
+    started_us: int
+
+
+@dataclass
 class CompileStats:
     """Counters a monitoring callback can log; reset each time the strategy compiles."""
 
     graph_records: list[GraphRecord] = field(default_factory=list)
+    frame_records: list[FrameRecord] = field(default_factory=list)
     fell_back: bool = False
     fallback_reason: str | None = None
-    _break_baseline: dict[str, int] = field(default_factory=dict, repr=False)
-    _guard_baseline: dict[Any, int] = field(default_factory=dict, repr=False)
-    _time_baseline: dict[str, int] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    #: Compiled frames an earlier compile in this process left in dynamo's cache and this one reuses.
+    reused_frames: int = 0
 
-    def start(self) -> None:
-        """Forget earlier records and snapshot dynamo's global tables."""
+    def start(self, reused_frames: int = 0) -> None:
+        """Forget earlier records."""
         self.graph_records.clear()
+        self.frame_records.clear()
         self.fell_back = False
         self.fallback_reason = None
-        self._break_baseline = dict(counters["graph_break"])
-        self._guard_baseline = {code: len(reasons) for code, reasons in guard_failures.items()}
-        self._time_baseline = {key: len(compilation_time_metrics.get(key, [])) for key in _COMPILE_TIME_KEYS}
+        self.reused_frames = reused_frames
 
     def record(self, record: GraphRecord) -> None:
-        with self._lock:
-            self.graph_records.append(record)
+        self.graph_records.append(record)  # dynamo compiles one frame at a time, under its own lock
 
+    # ------------------------------------------------------------------ frames, from dynamo's records
+    @staticmethod
+    def watch_frames() -> FrameWatch:
+        """A cheap snapshot taken before each compiled call (two reads, no copies)."""
+        return FrameWatch(counters["frames"]["total"], time.time_ns() // 1000)
+
+    def collect_frames(self, watch: FrameWatch) -> list[FrameRecord]:
+        """Record the frames dynamo compiled since ``watch``; return those it gave up on and ran eagerly."""
+        if counters["frames"]["total"] == watch.frames_attempted:
+            return []  # the common case: every frame hit dynamo's cache
+        metrics = get_compilation_metrics()
+        new = [_frame_record(m) for m in metrics if (m.start_time_us or 0) >= watch.started_us]
+        self.frame_records.extend(new)
+        return [r for r in new if r.skipped]
+
+    # ------------------------------------------------------------------ counters
     @property
     def graphs(self) -> int:
         """Graphs compiled, recompiles included."""
@@ -74,18 +104,18 @@ class CompileStats:
 
     @property
     def backend_time_s(self) -> float:
-        """Seconds spent inside the backend (Inductor) for the forward graphs this strategy compiled."""
+        """Seconds spent inside the backend (Inductor) for the graphs this strategy compiled."""
         return sum(r.compile_time_s for r in self.graph_records)
 
     @property
     def compile_time_s(self) -> float:
-        """Whole compile time since :meth:`start`: dynamo tracing, AOTAutograd and the backend, lazy backward
-        graphs included. Read from dynamo's process-wide timers, so compiles elsewhere in the process count too;
-        never less than :attr:`backend_time_s`."""
-        total = 0.0
-        for key in _COMPILE_TIME_KEYS:
-            total += sum(compilation_time_metrics.get(key, [])[self._time_baseline.get(key, 0) :])
-        return max(total, self.backend_time_s)
+        """Whole compile time: dynamo tracing, AOTAutograd and the backend, forward and backward graphs.
+
+        The sum of dynamo's per-frame compile times for the strategy's frames; the backward graph is
+        compiled inside its forward frame (the strategy turns off lazy backward compilation), so each
+        second counts once.
+        """
+        return max(sum(r.seconds for r in self.frame_records), self.backend_time_s)
 
     @property
     def graph_compile_times(self) -> list[tuple[str, float]]:
@@ -93,26 +123,29 @@ class CompileStats:
 
     @property
     def break_reasons(self) -> list[str]:
-        return [
-            reason
-            for reason, count in counters["graph_break"].items()
-            if count > self._break_baseline.get(reason, 0)
-        ]
+        """One entry per graph break: where dynamo split the strategy's code, and why."""
+        reasons = [r.break_reason for r in self.graph_records if r.break_reason is not None]
+        # A break before the first op of a frame leaves no graph to hand to the backend; dynamo's frame
+        # record still names it (as the reason it restarted tracing).
+        with_graph = {r.name for r in self.graph_records}
+        for frame in self.frame_records:
+            no_graph = _graph_name(frame.compile_id) not in with_graph
+            if frame.failure is None and frame.restart_reasons and no_graph:
+                reasons.append(_describe(frame.restart_reasons[0]))
+        return reasons
 
     @property
     def graph_breaks(self) -> int:
-        return sum(
-            max(0, count - self._break_baseline.get(reason, 0)) for reason, count in counters["graph_break"].items()
-        )
+        return len(self.break_reasons)
 
     @property
     def recompile_reasons(self) -> list[str]:
-        reasons: list[str] = []
-        for code, failures in list(guard_failures.items()):
-            for failure in failures[self._guard_baseline.get(code, 0) :]:
-                name = getattr(code, "co_name", str(code))
-                reasons.append(f"{name}: {failure}")
-        return reasons
+        return [f"{r.code_name or 'frame'}: {r.recompile_reason}" for r in self.frame_records if r.recompile_reason]
+
+    @property
+    def skipped_frames(self) -> list[str]:
+        """Frames dynamo gave up on and ran eagerly (recompile limit, graph break in a loop, ...), and why."""
+        return [f"frame {r.compile_id}: {r.failure}" for r in self.frame_records if r.skipped]
 
     def as_dict(self) -> dict[str, float]:
         """The numeric counters, for ``log_metrics``."""
@@ -123,6 +156,8 @@ class CompileStats:
             "compile_time_s": self.compile_time_s,
             "backend_time_s": self.backend_time_s,
             "fell_back": float(self.fell_back),
+            "skipped_frames": float(len(self.skipped_frames)),
+            "reused_frames": float(self.reused_frames),
         }
 
     def summary(self) -> str:
@@ -130,11 +165,47 @@ class CompileStats:
             f"{self.graphs} graph(s), {self.graph_breaks} graph break(s), {self.recompiles} recompile(s), "
             f"{self.compile_time_s:.1f}s compiling"
         )
+        if self.reused_frames:
+            line += f", {self.reused_frames} compiled frame(s) reused from earlier in this process"
+        skipped = self.skipped_frames
+        if skipped:
+            line += f"; {len(skipped)} frame(s) ran eagerly: {skipped[0]}"
         return line + (f"; fell back to eager: {self.fallback_reason}" if self.fell_back else "")
 
 
+# dynamo raises SkipFrame for a frame with nothing to compile (no tensor ops): eager is all it can be
+_NOTHING_TO_COMPILE = "SkipFrame"
+
+
+def _frame_record(metrics: Any) -> FrameRecord:
+    failure = f"{metrics.fail_type}: {_describe(metrics.fail_reason or '')}" if metrics.fail_type else None
+    return FrameRecord(
+        compile_id=str(metrics.compile_id),
+        code_name=metrics.co_name,
+        seconds=metrics.entire_frame_compile_time_s or 0.0,
+        failure=failure,
+        skipped=failure is not None and metrics.fail_type != _NOTHING_TO_COMPILE,
+        recompile_reason=metrics.recompile_reason,
+        restart_reasons=tuple(sorted(metrics.restart_reasons or ())),
+    )
+
+
+def _describe(message: str) -> str:
+    """A dynamo message in one line: its title plus the explanation that follows it."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), None)
+    return f"{lines[0]} ({explanation.removeprefix('Explanation:').strip()})" if explanation else lines[0]
+
+
 class CountingBackend:
-    """A ``torch.compile`` backend that times and records each graph, then delegates."""
+    """A ``torch.compile`` backend that times and records each graph, then delegates.
+
+    Two instances with equal inner backends compare equal, like ``torch.compile``'s own
+    wrappers: dynamo then reuses the graphs one fit compiled in the next fit with the same
+    settings instead of piling up new cache entries until it hits its recompile limit.
+    """
 
     def __init__(self, inner: Callable[..., Any], stats: CompileStats) -> None:
         self.inner = inner
@@ -151,17 +222,37 @@ class CountingBackend:
                 frame_compile_id=getattr(compile_id, "frame_compile_id", None),
                 num_nodes=len(gm.graph.nodes),
                 compile_time_s=time.perf_counter() - start,
+                break_reason=_break_reason(gm),
             )
         )
         return compiled
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CountingBackend) and self.inner == other.inner
+
+    __hash__ = None  # type: ignore[assignment]  # equal by settings, like torch's backend wrappers
+
     def __getattr__(self, name: str) -> Any:
         # dynamo asks backends for optional hooks (get_compiler_config, reset, ...): forward them.
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
 def _graph_name(compile_id: Any) -> str:
     return f"graph_{compile_id}" if compile_id is not None else "graph"
+
+
+def _break_reason(gm: torch.fx.GraphModule) -> str | None:
+    """Why dynamo ended ``gm`` at a graph break, with the user's line, or None (what ``explain`` reads)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    where = ""
+    if reason.user_stack:
+        frame = reason.user_stack[-1]
+        where = f" at {frame.filename}:{frame.lineno}"
+    return f"{_describe(reason.reason)}{where}"
 
 
 def make_backend(backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None,

@@ -5,6 +5,10 @@ block), never ``training_step``: Lightning's ``self.log`` breaks or crashes dyna
 (Lightning #21836), while a compiled ``forward`` called from an eager ``training_step``
 gives whole graphs with zero breaks. Patching the instance attribute ``forward`` keeps
 ``state_dict`` keys clean (no ``_orig_mod.``) and is undone by deleting the attribute.
+
+A copy of a compiled module (``copy.deepcopy`` for an EMA or teacher model, ``pickle``,
+``torch.save(module)``) is the plain eager module: each patched module gets an instance
+``__getstate__`` that leaves the compiled ``forward`` out of its state.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
-from lightning_plugin.compile_stats import CompileStats, make_backend
+from lightning_plugin import dynamo_cache
+from lightning_plugin.compile_stats import CompileStats, FrameRecord, make_backend
 from lightning_plugin.config import CompileConfig
 
 log = logging.getLogger(__name__)
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 #: (a user error raised while tracing is re-raised by the eager re-run after a fallback).
 COMPILE_ERRORS: tuple[type[BaseException], ...] = (
     torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,  # not a TorchDynamoException
     torch._inductor.exc.InductorError,
 )
 
@@ -107,7 +113,6 @@ class ModuleCompiler:
                 prepare_args=_channels_last_args if self.config.channels_last else tuple,
                 on_finish=self.stats.start,  # the measurement's compiles are not the model's
             )
-        self.stats.start()
         self._use_eager = False
         self._backend = make_backend(
             self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats
@@ -120,6 +125,8 @@ class ModuleCompiler:
                 stacklevel=2,
             )
         self._targets = targets or [module]
+        codes = {dynamo_cache.code_of(target.forward) for target in self._targets}  # repeated blocks share one
+        self.stats.start(reused_frames=sum(dynamo_cache.prepare(code, self._backend) for code in codes))
         self._patch_targets(module)
         return True
 
@@ -141,6 +148,7 @@ class ModuleCompiler:
 
     def _unpatch_targets(self) -> None:
         for patched in reversed(self._patched):
+            patched.module.__dict__.pop("__getstate__", None)
             if patched.previous is _MISSING:
                 patched.module.__dict__.pop("forward", None)
             else:
@@ -162,6 +170,7 @@ class ModuleCompiler:
         eager = target.forward
         compiled = torch.compile(eager, backend=backend, **self.config.compile_kwargs())
         target.forward = self._guarded(target, eager, compiled, to_channels_last)
+        target.__dict__["__getstate__"] = _state_without_compiled_forward(target, previous)
         self._patched.append(_PatchedForward(target, previous))
 
     def _guarded(
@@ -179,12 +188,15 @@ class ModuleCompiler:
                     return target.forward(*args, **kwargs)
             if self._use_eager or (not config.compile_eval and not target.training):
                 return eager(*args, **kwargs)
+            watch = stats.watch_frames()
             try:
                 # AOTAutograd normally compiles the backward graph lazily, at the first loss.backward(),
-                # outside this try; lowering it now makes a failing backward compile fall back too.
+                # outside this try; lowering it now makes a failing backward compile fall back too (and
+                # puts its compile time inside the forward frame's, counted once).
                 with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                    return compiled(*args, **kwargs)
+                    output = compiled(*args, **kwargs)
             except COMPILE_ERRORS as err:
+                stats.collect_frames(watch)
                 if config.fallback == "raise":
                     raise
                 first_line = _first_line(err)
@@ -201,9 +213,42 @@ class ModuleCompiler:
                 stats.fell_back = True
                 stats.fallback_reason = f"{type(err).__name__}: {first_line}"
                 return eager(*args, **kwargs)
+            skipped = stats.collect_frames(watch)
+            if skipped:
+                dynamo_cache.mark_given_up(code)
+                _report_skipped(target, skipped, config.fallback)
+            return output
 
+        code = dynamo_cache.code_of(eager)
         forward.__lcv_compiled__ = True  # type: ignore[attr-defined]
         return forward
+
+
+def _report_skipped(target: nn.Module, skipped: list[FrameRecord], fallback: str) -> None:
+    """Dynamo ran some of the compiled code eagerly: warn (or raise, with ``fallback="raise"``)."""
+    message = (
+        f"torch.compile gave up on {len(skipped)} frame(s) of {type(target).__name__}.forward and ran them "
+        f"eagerly (frame {skipped[0].compile_id}: {skipped[0].failure}); dynamo does not retry them in this "
+        "run. compile_stats.skipped_frames lists them; TORCH_LOGS=recompiles,graph_breaks shows why."
+    )
+    if fallback == "raise":
+        raise RuntimeError(message + " (CompileConfig(fallback='raise'))")
+    warnings.warn(message, stacklevel=3)
+
+
+def _state_without_compiled_forward(target: nn.Module, previous: Any) -> Callable[[], dict[str, Any]]:
+    """An instance ``__getstate__`` for ``target``: its pickled or deep-copied state without our forward."""
+
+    def state() -> dict[str, Any]:
+        result = dict(type(target).__getstate__(target))
+        result.pop("__getstate__", None)
+        if previous is _MISSING:
+            result.pop("forward", None)
+        else:
+            result["forward"] = previous
+        return result
+
+    return state
 
 
 def _first_line(err: BaseException) -> str:

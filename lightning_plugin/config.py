@@ -7,6 +7,7 @@ built, not minutes later inside the first training step.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -54,10 +55,17 @@ class CompileConfig:
             :mod:`lightning_plugin.kernel_selection`; none on CPU, where they would only run their
             PyTorch references), ``"all"``, ``"none"``, or a list of names from :data:`KNOWN_KERNELS`.
         compile_eval: also run validation/test/predict through the compiled forward.
-        fallback: what to do when compilation fails: ``"eager"`` warns and continues eagerly,
-            ``"raise"`` re-raises the compiler error.
+        fallback: what to do when compilation fails or dynamo gives up on a frame: ``"eager"`` warns
+            and continues eagerly, ``"raise"`` re-raises the compiler error. Unset, it is ``"raise"``
+            with ``fullgraph=True`` (a graph break then stops the run, as ``torch.compile`` does) and
+            ``"eager"`` otherwise; set ``fallback="eager"`` to let a ``fullgraph`` run continue eagerly.
         regional: compile each repeated block (a submodule class used two or more times, such as
             a ResNet ``BasicBlock``) once instead of the whole ``forward``; cuts compile time.
+        cache: a portable compile cache (see ``lightning_plugin.compile_cache``): ``True`` saves
+            what was compiled next to the run's checkpoints and loads it in a later process (a
+            resume, another rank or node, a rerun into the same folder); a file path loads from and
+            saves to that file; ``False`` turns it off. A cache made with another torch, Triton,
+            Python or device is skipped with one warning line.
     """
 
     backend: str | Callable[..., Any] = "inductor"
@@ -68,9 +76,11 @@ class CompileConfig:
     channels_last: bool = False
     kernels: KernelsSpec = "auto"
     compile_eval: bool = True
-    fallback: Literal["eager", "raise"] = "eager"
+    fallback: Literal["eager", "raise"] | None = None
     regional: bool = False
+    cache: bool | str | os.PathLike[str] = False
     _kernel_names: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _fallback_given: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.backend, str) and self.backend) and not callable(self.backend):
@@ -96,8 +106,14 @@ class CompileConfig:
                 raise TypeError(f"CompileConfig.options must be a dict with str keys, got {self.options!r}")
             if self.mode not in (None, "default"):
                 raise ValueError("CompileConfig: set either `mode` or `options`, not both (torch.compile rule)")
-        if self.fallback not in _FALLBACKS:
+        if not isinstance(self.cache, (bool, str, os.PathLike)) or self.cache == "":
+            raise TypeError(f"CompileConfig.cache must be True, False or a file path, got {self.cache!r}")
+        if self.fallback is None:
+            self.fallback = "raise" if self.fullgraph else "eager"
+        elif self.fallback not in _FALLBACKS:
             raise ValueError(f"CompileConfig.fallback={self.fallback!r} is not one of {list(_FALLBACKS)}")
+        else:
+            self._fallback_given = True
         self._kernel_names = _parse_kernels(self.kernels)
 
     def resolve_kernels(self, device: torch.device) -> frozenset[str]:
@@ -111,7 +127,9 @@ class CompileConfig:
         return {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
 
     def replace(self, **changes: Any) -> CompileConfig:
-        """A validated copy with some fields changed."""
+        """A validated copy with some fields changed (an unset ``fallback`` stays unset)."""
+        if not self._fallback_given:
+            changes.setdefault("fallback", None)
         return dataclasses.replace(self, **changes)
 
 

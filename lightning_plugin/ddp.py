@@ -3,12 +3,12 @@
 The order matters: compiling the module and then letting DDP wrap it gives whole graphs
 with no breaks, while compiling ``DDP(module)`` traces Lightning's forward redirection and
 ``training_step`` (10+ graphs and breaks measured on Lightning 2.6). Evaluation-only runs
-never call DDP's ``_setup_model``, so they compile in ``setup``.
+never call DDP's ``_setup_model``, so they compile in ``setup``. The behaviour lives in
+:class:`CompiledDDPMixin`, shared with the standalone ``pytorch_lightning`` variant.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -18,38 +18,30 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-import lightning.pytorch as pl
-from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config
-from lightning_plugin.config import CompileConfig, KernelsSpec
+from lightning_plugin.compile_mixin import (
+    CompiledStrategyMixin,
+    build_config,
+    split_compile_settings,
+    with_compile_settings,
+)
+from lightning_plugin.config import CompileConfig
+
+#: ``trainer.state.fn`` while fitting (a str enum in both Lightning namespaces).
+_FITTING = "fit"
 
 
-class CompiledDDPStrategy(CompiledStrategyMixin, DDPStrategy):
-    """DDP where each process compiles the LightningModule's ``forward`` before DDP wraps it.
-
-    Accepts the compile settings of :class:`~lightning_plugin.CompiledStrategy` plus every
-    argument of Lightning's ``DDPStrategy`` (extra keyword arguments go to
-    ``DistributedDataParallel``).
-    """
+class CompiledDDPMixin(CompiledStrategyMixin):
+    """DDP, each process compiling ``forward`` before DDP wraps the module; mixed into a ``DDPStrategy``."""
 
     strategy_name = "compiled_ddp"
 
+    @with_compile_settings(forwards_other_kwargs=True)
     def __init__(
         self,
         config: CompileConfig | None = None,
         *,
-        backend: str | Callable[..., Any] = "inductor",
-        mode: str | None = None,
-        fullgraph: bool = False,
-        dynamic: bool | None = None,
-        options: dict[str, Any] | None = None,
-        channels_last: bool = False,
-        kernels: KernelsSpec = "auto",
-        compile_eval: bool = True,
-        fallback: Literal["eager", "raise"] = "eager",
-        regional: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -58,9 +50,10 @@ class CompiledDDPStrategy(CompiledStrategyMixin, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
+        compile_settings, ddp_kwargs = split_compile_settings(kwargs)
+        super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -71,21 +64,7 @@ class CompiledDDPStrategy(CompiledStrategyMixin, DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._init_compiler(
-            build_config(
-                config,
-                backend=backend,
-                mode=mode,
-                fullgraph=fullgraph,
-                dynamic=dynamic,
-                options=options,
-                channels_last=channels_last,
-                kernels=kernels,
-                compile_eval=compile_eval,
-                fallback=fallback,
-                regional=regional,
-            )
-        )
+        self._init_compiler(build_config(config, type(self).__name__, **compile_settings))
 
     @override
     def configure_ddp(self) -> None:
@@ -93,9 +72,9 @@ class CompiledDDPStrategy(CompiledStrategyMixin, DDPStrategy):
         super().configure_ddp()
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        if trainer.state.fn != _FITTING:
             self._compile_lightning_module()
 
     @override
@@ -124,3 +103,12 @@ class CompiledDDPStrategy(CompiledStrategyMixin, DDPStrategy):
             description="'compiled_ddp' with find_unused_parameters=True",
             find_unused_parameters=True,
         )
+
+
+class CompiledDDPStrategy(CompiledDDPMixin, DDPStrategy):
+    """DDP where each process compiles the LightningModule's ``forward`` before DDP wraps it.
+
+    Accepts the compile settings of :class:`~lightning_plugin.CompiledStrategy` plus every
+    argument of Lightning's ``DDPStrategy`` (extra keyword arguments go to
+    ``DistributedDataParallel``).
+    """

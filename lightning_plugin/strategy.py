@@ -1,12 +1,14 @@
 """`CompiledStrategy`: single-device training with the LightningModule's forward compiled.
 
-Registered as ``"compiled"`` (and variants) when ``lightning_plugin`` is imported.
+Registered as ``"compiled"`` (and variants) when ``lightning_plugin`` is imported. The
+behaviour lives in :class:`CompiledSingleDeviceMixin`, so that the same strategy can also be
+built on the standalone ``pytorch_lightning`` package's base class
+(``lightning_plugin.pytorch_lightning_support``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -16,43 +18,27 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config
-from lightning_plugin.config import CompileConfig, KernelsSpec
+from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config, with_compile_settings
+from lightning_plugin.config import CompileConfig
 
 
-class CompiledStrategy(CompiledStrategyMixin, SingleDeviceStrategy):
-    """Train on one device with ``torch.compile`` applied to the LightningModule's ``forward``.
-
-    ``training_step`` stays eager, so ``self.log`` works and the graphs have no breaks. The
-    device follows the Trainer's accelerator (unlike ``strategy="single_device"``, which
-    defaults to the CPU, Lightning #18902). After ``fit``/``validate``/``test``/``predict``
-    the module is restored to its uncompiled self.
-
-    Pass either ``config=CompileConfig(...)`` or its fields as keyword arguments.
-    """
+class CompiledSingleDeviceMixin(CompiledStrategyMixin):
+    """One device, ``forward`` compiled; combined with a ``SingleDeviceStrategy`` of either namespace."""
 
     strategy_name = "compiled"
 
+    @with_compile_settings()
     def __init__(
         self,
         config: CompileConfig | None = None,
         *,
-        backend: str | Callable[..., Any] = "inductor",
-        mode: str | None = None,
-        fullgraph: bool = False,
-        dynamic: bool | None = None,
-        options: dict[str, Any] | None = None,
-        channels_last: bool = False,
-        kernels: KernelsSpec = "auto",
-        compile_eval: bool = True,
-        fallback: Literal["eager", "raise"] = "eager",
-        regional: bool = False,
         device: _DEVICE | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **compile_settings: Any,
     ) -> None:
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]
             device="cpu" if device is None else device,
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
@@ -61,21 +47,7 @@ class CompiledStrategy(CompiledStrategyMixin, SingleDeviceStrategy):
         self._explicit_device = device is not None
         # `parallel_devices` makes the accelerator connector hand us the Trainer's device.
         self._parallel_devices: list[torch.device] | None = None
-        self._init_compiler(
-            build_config(
-                config,
-                backend=backend,
-                mode=mode,
-                fullgraph=fullgraph,
-                dynamic=dynamic,
-                options=options,
-                channels_last=channels_last,
-                kernels=kernels,
-                compile_eval=compile_eval,
-                fallback=fallback,
-                regional=regional,
-            )
-        )
+        self._init_compiler(build_config(config, type(self).__name__, **compile_settings))
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -126,3 +98,15 @@ class CompiledStrategy(CompiledStrategyMixin, SingleDeviceStrategy):
         strategy_registry.register(
             "compiled_regional", cls, description="'compiled', each repeated block compiled once", regional=True
         )
+
+
+class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):
+    """Train on one device with ``torch.compile`` applied to the LightningModule's ``forward``.
+
+    ``training_step`` stays eager, so ``self.log`` works and the graphs have no breaks. The
+    device follows the Trainer's accelerator (unlike ``strategy="single_device"``, which
+    defaults to the CPU, Lightning #18902). After ``fit``/``validate``/``test``/``predict``
+    the module is restored to its uncompiled self.
+
+    Pass either ``config=CompileConfig(...)`` or its fields as keyword arguments.
+    """

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_plugin.compile_mixin import CONFIG_DEFAULTS, CompiledStrategyMixin, build_config
+from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config, with_compile_settings
 from lightning_plugin.compile_stats import CompileStats
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import CompileConfig
@@ -25,13 +25,9 @@ class TorchCompile(Callback):
     Accepts ``config=CompileConfig(...)`` or its fields as keyword arguments.
     """
 
-    def __init__(self, config: CompileConfig | None = None, **fields: Any) -> None:
-        unknown = sorted(set(fields) - set(CONFIG_DEFAULTS))
-        if unknown:
-            raise TypeError(
-                f"TorchCompile got unknown compile setting(s) {unknown}; known: {sorted(CONFIG_DEFAULTS)}"
-            )
-        self._compiler = ModuleCompiler(build_config(config, **{**CONFIG_DEFAULTS, **fields}))
+    @with_compile_settings()
+    def __init__(self, config: CompileConfig | None = None, **compile_settings: Any) -> None:
+        self._compiler = ModuleCompiler(build_config(config, "TorchCompile", **compile_settings))
 
     @property
     def compile_stats(self) -> CompileStats:

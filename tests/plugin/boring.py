@@ -86,3 +86,29 @@ def make_loader(n: int = 20, batch_size: int = 8, seed: int = 0, size: int = 8) 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class LinearModule(L.LightningModule):
+    """The smallest module worth compiling (for tests that fit under many strategies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.layer(x)) * 2
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def make_vector_loader(n: int = 16, batch_size: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)),
+                      batch_size=batch_size)

@@ -1,0 +1,30 @@
+"""The compiled strategies for the standalone ``pytorch_lightning`` package.
+
+``pytorch_lightning`` is a second copy of Lightning, with its own strategy registry and its
+own base classes: a ``lightning.pytorch`` strategy is not a ``pytorch_lightning`` one, and
+its ``Trainer`` rejects it. These classes put the same behaviour on ``pytorch_lightning``'s
+bases. ``import lightning_plugin`` imports this module and registers them under the same
+names (``"compiled"``, ``"compiled_ddp"``, ...) when ``pytorch_lightning`` is installed;
+instances come from here: ``from lightning_plugin.pytorch_lightning_support import CompiledStrategy``.
+"""
+
+from __future__ import annotations
+
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+from lightning_plugin.ddp import CompiledDDPMixin
+from lightning_plugin.registry import register_all
+from lightning_plugin.strategy import CompiledSingleDeviceMixin
+
+__all__ = ["CompiledDDPStrategy", "CompiledStrategy"]
+
+
+class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):
+    """``lightning_plugin.CompiledStrategy`` for ``pytorch_lightning.Trainer``."""
+
+
+class CompiledDDPStrategy(CompiledDDPMixin, DDPStrategy):
+    """``lightning_plugin.CompiledDDPStrategy`` for ``pytorch_lightning.Trainer``."""
+
+
+register_all(StrategyRegistry, (CompiledStrategy, CompiledDDPStrategy))
