@@ -96,3 +96,12 @@ def test_whitening_images_are_a_seeded_sample_across_classes(tiny_cifar):
     labels = torch.cat([y for _, y in datamodule._loader("train", train=False)])
     drawn = [int((everything - s).abs().flatten(1).sum(1).argmin()) for s in sample]
     assert len(set(drawn)) == 12 and len(set(labels[drawn].tolist())) >= 4  # not just the first class
+
+
+def test_gpu_runs_keep_the_portable_compile_cache_on():
+    """``lcv fit`` on a GPU compiles once per run: a resume or another rank loads the saved artifacts."""
+    from vision.recipes._build import trainer_kwargs
+
+    strategy = trainer_kwargs("digits-small", gpu=True)["strategy"]
+    assert strategy["init_args"]["cache"] is True
+    assert trainer_kwargs("digits-small", gpu=False)["strategy"] == "auto"

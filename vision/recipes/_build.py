@@ -58,14 +58,16 @@ def data_kwargs(recipe: Recipe | str) -> dict[str, Any]:
 def trainer_kwargs(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, Any]:
     """``Trainer`` settings the recipe decides: epochs, precision, and the strategy.
 
-    On a GPU: ``strategy="compiled"`` with the recipe's compile settings and the recipe's precision.
+    On a GPU: ``strategy="compiled"`` with the recipe's compile settings, the portable compile cache on
+    (saved next to the checkpoints: a resume or another rank loads it instead of compiling), and the
+    recipe's precision.
     On CPU: Lightning's default eager strategy in fp32, because compiling pays off on CPU only for long
     runs (the compile time is not won back in a few minutes of training) and CPU bf16 autocast is slow.
     """
     recipe = _resolve(recipe)
     gpu = torch.cuda.is_available() if gpu is None else gpu
     if gpu:
-        strategy: Any = {"class_path": "lightning_plugin.CompiledStrategy", "init_args": dict(recipe.compile)}
+        strategy: Any = {"class_path": "lightning_plugin.CompiledStrategy", "init_args": {"cache": True, **recipe.compile}}
     else:
         strategy = "auto"
     return {
