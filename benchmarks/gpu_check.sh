@@ -14,7 +14,7 @@
 #                  (17.7 MiB; the zip itself is 59.3 MiB). Without it that step is skipped with the reason.
 #   .whl/          wheels of packages the GPU machine lacks (albumentations for the loader's reference side,
 #                  airbench's sdist for the airbench reference step), installed offline into /tmp/site.
-#                  README.md ("GPU check") gives the download command.
+#                  docs/benchmarks.md ("GPU check") gives the download command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then
