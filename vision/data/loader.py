@@ -213,6 +213,11 @@ class DeviceLoader:
             self._started = False
             self._resume = False
 
+    def batch_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """The pipeline's normalisation: implements ``lightning_plugin.callbacks.image_grid.NormalizedBatches``,
+        so the monitor's image grid shows the images un-normalised."""
+        return self.pipeline.batch_normalization()
+
     @property
     def sampler(self) -> "DeviceLoader":
         # Lightning's `_set_sampler_epoch` looks for `loader.sampler.set_epoch`.
