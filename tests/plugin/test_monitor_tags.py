@@ -16,7 +16,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from test_monitor import ImageData, WithGraphBreak, _events
 
 from lightning_plugin import CompiledStrategy, CompileStats
-from lightning_plugin.callbacks import TrainingMonitor
+from lightning_plugin.callbacks import CompileReport, HParamsRecord, ImageGrid, StepMonitor, TrainingMonitor
 
 #: ``compile/<field>`` and ``final/compile_<field>`` for every field of ``CompileStats.as_dict()``: the monitor
 #: follows the stats, so a field added there shows up here by design.
@@ -47,24 +47,41 @@ def _hparams_session(acc) -> plugin_data_pb2.HParamsPluginData:
     return plugin_data_pb2.HParamsPluginData.FromString(content)
 
 
-def test_the_monitor_writes_exactly_these_tags(tmp_path):
-    logger = TensorBoardLogger(str(tmp_path), name="tags", version=0)
+def _fit_and_read_tags(root: Path, callbacks: list[pl.Callback]) -> dict[str, set[str]]:
+    logger = TensorBoardLogger(str(root), name="tags", version=0)
     trainer = pl.Trainer(
         max_epochs=2, accelerator="cpu", strategy=CompiledStrategy(backend="eager"), logger=logger,
-        callbacks=[TrainingMonitor(log_every_n_steps=2, peak_flops=1e12, num_images=4)],
-        log_every_n_steps=2, num_sanity_val_steps=1, enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False,
+        callbacks=callbacks, log_every_n_steps=2, num_sanity_val_steps=1, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
     )
     trainer.fit(WithGraphBreak(step_sleep=0.0), datamodule=ImageData(delay=0.0))
     acc = _events(Path(logger.log_dir))
     tags = acc.Tags()
-    assert set(tags["scalars"]) == SCALARS
-    assert {"compile/graphs", "compile/graph_breaks", "compile/recompiles", "compile/compile_time_s"} <= SCALARS
-    assert {t.removesuffix("/text_summary") for t in tags["tensors"] if t.endswith("/text_summary")} == TEXTS
-    assert set(tags["images"]) == IMAGES
-    session = _hparams_session(acc).session_start_info
-    assert set(session.hparams) == HPARAMS
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         acc.SummaryMetadata("_hparams_/experiment").plugin_data.content
     ).experiment
-    assert {m.name.tag for m in experiment.metric_infos} == FINAL_METRICS
+    return {
+        "scalars": set(tags["scalars"]),
+        "texts": {t.removesuffix("/text_summary") for t in tags["tensors"] if t.endswith("/text_summary")},
+        "images": set(tags["images"]),
+        "hparams": set(_hparams_session(acc).session_start_info.hparams),
+        "final": {m.name.tag for m in experiment.metric_infos},
+    }
+
+
+def test_the_monitor_writes_exactly_these_tags(tmp_path):
+    tags = _fit_and_read_tags(tmp_path, [TrainingMonitor(log_every_n_steps=2, peak_flops=1e12, num_images=4)])
+    assert tags["scalars"] == SCALARS
+    assert {"compile/graphs", "compile/graph_breaks", "compile/recompiles", "compile/compile_time_s"} <= SCALARS
+    assert tags["texts"] == TEXTS
+    assert tags["images"] == IMAGES
+    assert tags["hparams"] == HPARAMS
+    assert tags["final"] == FINAL_METRICS
+
+
+def test_the_four_parts_alone_write_the_same_tags(tmp_path):
+    steps = StepMonitor(peak_flops=1e12)
+    parts = [steps, ImageGrid(num_images=4, meter=steps.meter), CompileReport(meter=steps.meter), HParamsRecord()]
+    tags = _fit_and_read_tags(tmp_path, parts)
+    assert tags == {"scalars": SCALARS, "texts": TEXTS, "images": IMAGES, "hparams": HPARAMS,
+                    "final": FINAL_METRICS}
