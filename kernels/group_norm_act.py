@@ -148,8 +148,8 @@ def _epilogue_grad_tile(
     sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c,
     HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
 ):
-    """One ``[BLOCK_HW, BLOCK_C]`` tile of sample ``n``: ``(g_u, x̂)``, the gradient at the epilogue's input and
-    the normalised input. Both backward passes recompute it (cheaper than storing ``g_u``)."""
+    """One ``[BLOCK_HW, BLOCK_C]`` tile of sample ``n``: ``(g_u, x̂)``, the gradient at the epilogue's input
+    and the normalised input. Both backward passes recompute it (cheaper than storing ``g_u``)."""
     x = tl.load(x_ptr + n * sx_n + (hws * sx_hw)[:, None] + (cols * sx_c)[None, :], mask=mask, other=0.0)
     g = tl.load(g_ptr + n * sg_n + (hws * sg_hw)[:, None] + (cols * sg_c)[None, :], mask=mask, other=0.0)
     xhat = (x.to(tl.float32) - mean) * rstd

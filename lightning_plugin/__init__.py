@@ -15,7 +15,7 @@ import warnings
 
 from lightning_plugin.package_identity import require_own_package
 
-# Before anything below imports ``kernels``: a foreign one (same name, another distribution) fails here, clearly.
+# Before anything below imports ``kernels``: a foreign one (another distribution's) fails here, clearly.
 require_own_package("kernels")
 require_own_package("vision", required=False)
 

@@ -1,10 +1,9 @@
 """`StepMeter`: splits a training loop's wall time into step time and data wait, with no framework.
 
 The Lightning callbacks that report throughput (``TrainingMonitor``'s ``StepMonitor``, ``lcv``'s
-``ThroughputMeter``) are thin adapters that call it from their hooks, so the two cannot disagree on what a step
-or a wait is. Times are read after a device synchronisation (``synchronize``), because a CUDA step returns to
-Python long before its kernels finish.
-"""
+``ThroughputMeter``) are thin adapters that call it from their hooks, so the two cannot disagree on what a
+step or a wait is. Times are read after a device synchronisation (``synchronize``), because a CUDA step
+returns to Python long before its kernels finish."""
 
 from __future__ import annotations
 
@@ -110,8 +109,8 @@ class StepMeter:
 
 
 def stream_synchronizer(device: torch.device) -> Callable[[], None] | None:
-    """Waits for the device's *current* stream only (``None`` off CUDA): a loader preparing the next batch on a
-    side stream keeps overlapping with the step."""
+    """Waits for the device's *current* stream only (``None`` off CUDA): a loader preparing the next batch on
+    a side stream keeps overlapping with the step."""
     if device.type != "cuda":
         return None
     return lambda: torch.cuda.current_stream(device).synchronize()

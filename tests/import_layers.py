@@ -5,10 +5,10 @@ imports a higher one, at module level or lazily inside a function: a lazy import
 would make ``kernels`` unusable without the plugin (or the plugin without the recipes).
 
 Cycles: only imports that run while a module is being imported (module level, including inside ``if``/``try``
-and class bodies) form cycles. An import inside a function runs when the function is called, after every module
-has finished importing, so it cannot meet a half-initialised module; it is how a module defers a heavy or
-optional dependency. Those imports are still held to the layers above. ``if TYPE_CHECKING:`` blocks never run
-and are left out of the cycle check too.
+and class bodies) form cycles. An import inside a function runs when the function is called, after every
+module has finished importing, so it cannot meet a half-initialised module; it is how a module defers a heavy
+or optional dependency. Those imports are still held to the layers above. ``if TYPE_CHECKING:`` blocks never
+run and are left out of the cycle check too.
 
 Used by ``tests/test_layers.py`` on the real tree and on planted trees (so the check is known to fail).
 """
@@ -50,7 +50,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _import_nodes(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement with whether it runs at import time (not in a function, not TYPE_CHECKING-only)."""
+    """Every import statement, with whether it runs at import time (not in a function nor TYPE_CHECKING)."""
 
     def walk(node: ast.AST, module_level: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
         for child in ast.iter_child_nodes(node):
@@ -69,9 +69,11 @@ def _import_nodes(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFro
     yield from walk(tree, True)
 
 
-def _resolve(importer: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
-    """The modules an import statement loads, most specific first: ``from a.b import c`` is ``a.b.c`` when that is
-    a module of the tree, otherwise ``a.b`` (``c`` is a name defined there)."""
+def _resolve(
+    importer: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]
+) -> list[str]:
+    """The modules an import statement loads, most specific first: ``from a.b import c`` is ``a.b.c`` when
+    that is a module of the tree, otherwise ``a.b`` (``c`` is a name defined there)."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     base = node.module or ""

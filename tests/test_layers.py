@@ -1,8 +1,7 @@
 """The import layers (``kernels`` <- ``lightning_plugin`` <- ``vision``) and no module-level import cycles.
 
-The rules and why function-level imports are left out of the cycle check: ``tests/import_layers.py``. The planted
-trees below show the check fails when it should.
-"""
+The rules and why function-level imports are left out of the cycle check: ``tests/import_layers.py``. The
+planted trees below show the check fails when it should."""
 
 from __future__ import annotations
 
@@ -33,7 +32,9 @@ def test_the_checker_sees_the_real_imports():
     # lazy imports are parsed too (they are held to the layers)
     assert any(i.importer == "lightning_plugin.compiler" and i.imported == "lightning_plugin.substitution"
                and not i.module_level for i in found)
-    assert any(i.importer == "vision.recipes._build" and i.imported.startswith("lightning_plugin") for i in found)
+    assert any(
+        i.importer == "vision.recipes._build" and i.imported.startswith("lightning_plugin") for i in found
+    )
 
 
 def _plant(root: Path, files: dict[str, str]) -> Path:
@@ -77,7 +78,8 @@ def test_planted_cycles_are_reported(tmp_path):
     root = _plant(tmp_path, {
         "lightning_plugin/a.py": "from lightning_plugin import b\n",
         "lightning_plugin/b.py": "try:\n    import lightning_plugin.c\nexcept ImportError:\n    pass\n",
-        "lightning_plugin/c.py": "class C:\n    from lightning_plugin.a import thing\n",  # class bodies run at import
+        # class bodies run at import
+        "lightning_plugin/c.py": "class C:\n    from lightning_plugin.a import thing\n",
         # not cycles: a lazy import, and a TYPE_CHECKING-only one
         "vision/p.py": "import vision.q\n",
         "vision/q.py": """

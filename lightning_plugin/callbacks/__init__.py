@@ -1,8 +1,7 @@
 """Callbacks for compiled training: monitoring, NaN/Inf guarding, fault-tolerant checkpoints, compiling.
 
-``TrainingMonitor`` is the four monitoring callbacks together (``StepMonitor``, ``CompileReport``, ``ImageGrid``,
-``HParamsRecord``); each can also be used alone.
-"""
+``TrainingMonitor`` is the four monitoring callbacks together (``StepMonitor``, ``CompileReport``,
+``ImageGrid``, ``HParamsRecord``); each can also be used alone."""
 
 from lightning_plugin.callbacks.compile import TorchCompile
 from lightning_plugin.callbacks.compile_report import CompileReport

@@ -1,4 +1,4 @@
-"""The monitoring callbacks' option checks, one rule per option name, shared by ``TrainingMonitor`` and its parts.
+"""Option checks of the monitoring callbacks: one rule per option name, shared by all of them.
 
 A rule per name (not per class) keeps one wording for an option wherever it is accepted, and lets
 ``TrainingMonitor`` check all its options under its own name before it builds the parts (which check theirs
@@ -17,15 +17,20 @@ def _positive_int(value: Any) -> bool:
 
 
 def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number and math.isfinite(value) and value > 0
+
+
+def _optional_positive_number(value: Any) -> bool:
+    return value is None or _positive_number(value)
 
 
 #: name -> (accepts the value?, exception type, what it must be)
 _RULES: dict[str, tuple[Callable[[Any], bool], type[Exception], str]] = {
     "log_every_n_steps": (lambda v: v is None or _positive_int(v), ValueError, "a positive int or None"),
     "num_images": (_positive_int, ValueError, "a positive int"),
-    "flops_per_sample": (lambda v: v is None or _positive_number(v), ValueError, "a positive finite number or None"),
-    "peak_flops": (lambda v: v is None or _positive_number(v), ValueError, "a positive finite number or None"),
+    "flops_per_sample": (_optional_positive_number, ValueError, "a positive finite number or None"),
+    "peak_flops": (_optional_positive_number, ValueError, "a positive finite number or None"),
     "measure_flops": (lambda v: isinstance(v, bool), TypeError, "a bool"),
     "log_images": (lambda v: isinstance(v, bool), TypeError, "a bool"),
     "log_hparams": (lambda v: isinstance(v, bool), TypeError, "a bool"),
@@ -44,7 +49,8 @@ def check_options(owner: str, **options: Any) -> None:
 def check_normalization(
     owner: str, mean: Sequence[float] | None, std: Sequence[float] | None
 ) -> tuple[list[float], list[float]] | None:
-    """``mean``/``std`` as float lists (both or neither, same non-zero length, std positive); None for neither."""
+    """``mean``/``std`` as float lists (both or neither, same non-zero length, std positive); None for
+    neither."""
     if (mean is None) != (std is None):
         raise ValueError(f"{owner}: pass both `mean` and `std`, or neither")
     if mean is None or std is None:

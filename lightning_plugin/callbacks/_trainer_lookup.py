@@ -79,7 +79,8 @@ def kernel_decisions(trainer: pl.Trainer) -> list[Any]:
 
 def compile_config(trainer: pl.Trainer) -> Any:
     for owner in _compilers(trainer):
-        config = getattr(owner, "compile_config", None) or getattr(getattr(owner, "_compiler", None), "config", None)
+        compiler = getattr(owner, "_compiler", None)  # the TorchCompile callback's
+        config = getattr(owner, "compile_config", None) or getattr(compiler, "config", None)
         if config is not None:
             return config
     return None

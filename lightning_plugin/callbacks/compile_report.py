@@ -1,5 +1,6 @@
-"""`CompileReport`: what the compiler did, in TensorBoard: graphs, breaks, recompiles, compile time, fallback and
-``kernels="auto"``'s decisions, from whoever compiled the module (a compiled strategy or ``TorchCompile``).
+"""`CompileReport`: what the compiler did, in TensorBoard: graphs, breaks, recompiles, compile time, fallback
+and ``kernels="auto"``'s decisions, from whoever compiled the module (a compiled strategy or
+``TorchCompile``).
 
 None of Lightning's callbacks knows about the compiler; a graph break or a recompile per step is the commonest
 reason a compiled run is slow, so the reasons are logged as text beside the counts.
@@ -29,9 +30,10 @@ __all__ = ["CompileReport"]
 class CompileReport(Callback):
     """Scalars every ``log_every_n_steps`` training batches: ``compile/<field>`` for every field of
     ``CompileStats.as_dict()`` (graphs, graph_breaks, recompiles, compile_time_s, fell_back, ...), and
-    ``compile/graph_time_s`` (one point per graph, x-axis = graph index). Text, when it changes and at the end of
-    training: ``compile/graphs``, ``compile/break_reasons``, ``compile/recompile_reasons``, ``compile/fallback``
-    and ``compile/kernel_decisions``. Nothing with a plain strategy; global rank zero only.
+    ``compile/graph_time_s`` (one point per graph, x-axis = graph index). Text, when it changes and at the end
+    of training: ``compile/graphs``, ``compile/break_reasons``, ``compile/recompile_reasons``,
+    ``compile/fallback`` and ``compile/kernel_decisions``. Nothing with a plain strategy; global rank zero
+    only.
 
     Args:
         log_every_n_steps: logging interval in training batches; ``None`` uses the Trainer's.

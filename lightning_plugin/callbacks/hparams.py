@@ -1,4 +1,4 @@
-"""`HParamsRecord`: the run's hyperparameters and final metrics in TensorBoard's HParams tab, at the end of fit.
+"""`HParamsRecord`: hyperparameters and final metrics in TensorBoard's HParams tab, at the end of ``fit``.
 
 TensorBoard shows only the first hparams record of a run and Lightning writes a placeholder one
 (``hp_metric=-1``) at the start, so this callback turns the placeholder off: its record is the run's only one.
@@ -29,8 +29,8 @@ __all__ = ["HParamsRecord"]
 
 
 class HParamsRecord(Callback):
-    """At the end of ``fit`` (global rank zero): the module's and datamodule's hparams (``data/*``), the trainer's
-    (``trainer/*``) and the compiler's (``compile/*``) settings, with the ``final/*`` metrics.
+    """At the end of ``fit`` (global rank zero): the module's and datamodule's hparams (``data/*``), the
+    trainer's (``trainer/*``) and the compiler's (``compile/*``) settings, with the ``final/*`` metrics.
 
     Args:
         batch_size_fn: returns the number of samples in a batch (``trainer/batch_size`` is the largest seen);
@@ -69,7 +69,9 @@ class HParamsRecord(Callback):
                 logger.log_hyperparams(params, metrics=metrics, step=trainer.global_step)
         flush_tensorboard(trainer)
 
-    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict[str, Any], dict[str, float]]:
+    def _record(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[dict[str, Any], dict[str, float]]:
         params: dict[str, Any] = dict(_plain(dict(pl_module.hparams)))
         datamodule = trainer.datamodule
         if datamodule is not None:

@@ -31,8 +31,8 @@ class NormalizedBatches(Protocol):
     """A train loader whose image batches are normalised, and which says with what."""
 
     def batch_normalization(self) -> tuple[Sequence[float], Sequence[float]] | None:
-        """Per-channel ``(mean, std)`` in 0..1 pixel units that ``x = (pixel - mean) / std`` used; None when the
-        batches are not normalised."""
+        """Per-channel ``(mean, std)`` in 0..1 pixel units that ``x = (pixel - mean) / std`` used; None when
+        the batches are not normalised."""
         ...
 
 
@@ -43,9 +43,10 @@ class ImageGrid(Callback):
         num_images: how many images the grid shows.
         mean, std: per-channel normalisation to undo; ``None`` asks the train loader
             (:class:`NormalizedBatches`), then ``trainer.datamodule.mean``/``std`` (or
-            ``normalize_mean``/``normalize_std``), and failing both rescales each image to [0, 1]. uint8 images
-            are shown as they are.
-        meter: a :class:`StepMeter` not to charge with the time spent writing the grid (``StepMonitor.meter``).
+            ``normalize_mean``/``normalize_std``), and failing both rescales each image to [0, 1]. uint8
+            images are shown as they are.
+        meter: a :class:`StepMeter` not to charge with the time spent writing the grid
+            (``StepMonitor.meter``).
     """
 
     def __init__(

@@ -34,13 +34,13 @@ class TrainingMonitor(Callback):
     ``perf/mfu``, ``memory/{allocated,reserved,peak}_gib`` and ``optim/lr`` (:class:`StepMonitor`);
     ``compile/*`` and ``compile/graph_time_s`` when the strategy exposes ``compile_stats``, with the text
     ``compile/graphs``, ``compile/break_reasons``, ``compile/recompile_reasons``, ``compile/fallback`` and
-    ``compile/kernel_decisions`` (:class:`CompileReport`). Image: ``samples/augmented`` at the first batch of each
-    epoch (:class:`ImageGrid`). At the end of ``fit``: the HParams tab, hyperparameters + ``final/*`` metrics
-    (:class:`HParamsRecord`).
+    ``compile/kernel_decisions`` (:class:`CompileReport`). Image: ``samples/augmented`` at the first batch of
+    each epoch (:class:`ImageGrid`). At the end of ``fit``: the HParams tab, hyperparameters + ``final/*``
+    metrics (:class:`HParamsRecord`).
 
-    The defaults suit a monitor that is always on (the ``lcv`` command adds one): monitoring never stops a run (a
-    FLOP count that cannot be measured only warns), and on CUDA the clock reads wait for the current stream only,
-    so a loader that prepares the next batch on a side stream keeps overlapping with the step.
+    The defaults suit a monitor that is always on (the ``lcv`` command adds one): monitoring never stops a run
+    (a FLOP count that cannot be measured only warns), and on CUDA the clock reads wait for the current stream
+    only, so a loader that prepares the next batch on a side stream keeps overlapping with the step.
 
     Args:
         log_every_n_steps: logging interval in training batches; ``None`` uses the Trainer's.
@@ -79,7 +79,9 @@ class TrainingMonitor(Callback):
             log_hparams=log_hparams, batch_size_fn=batch_size_fn,
         )
         check_normalization("TrainingMonitor", mean, std)
-        self.steps = StepMonitor(log_every_n_steps, flops_per_sample, measure_flops, peak_flops, batch_size_fn)
+        self.steps = StepMonitor(
+            log_every_n_steps, flops_per_sample, measure_flops, peak_flops, batch_size_fn
+        )
         self.compile_report = CompileReport(log_every_n_steps, meter=self.steps.meter)
         self.image_grid = ImageGrid(num_images, mean, std, meter=self.steps.meter) if log_images else None
         self.hparams_record = HParamsRecord(batch_size_fn) if log_hparams else None
@@ -94,7 +96,8 @@ class TrainingMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and not trainer.loggers and trainer.is_global_zero:
             warnings.warn(
-                "TrainingMonitor: the Trainer has no logger (logger=False); nothing will be logged.", stacklevel=2
+                "TrainingMonitor: the Trainer has no logger (logger=False); nothing will be logged.",
+                stacklevel=2,
             )
         for part in self.parts:
             part.setup(trainer, pl_module, stage)

@@ -30,8 +30,8 @@ class StepMonitor(Callback):
     """Logs, averaged over every ``log_every_n_steps`` training batches: ``perf/step_time_ms``
     (device-synchronised), ``perf/samples_per_sec`` (end to end, data wait included),
     ``perf/data_wait_fraction``, ``perf/flops_per_sec`` and ``perf/mfu`` (when FLOPs are known),
-    ``memory/{allocated,reserved,peak}_gib`` on CUDA, and ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with several
-    optimizers or groups). Validation and the monitors' own writing count neither as step nor as wait.
+    ``memory/{allocated,reserved,peak}_gib`` on CUDA, and ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with
+    several optimizers or groups). Validation and the monitors' own writing count neither as step nor as wait.
 
     Args: as :class:`~lightning_plugin.callbacks.TrainingMonitor`'s of the same names.
     """
@@ -45,8 +45,10 @@ class StepMonitor(Callback):
         batch_size_fn: Callable[[Any], int] | None = None,
     ) -> None:
         super().__init__()
-        check_options(type(self).__name__, log_every_n_steps=log_every_n_steps, flops_per_sample=flops_per_sample,
-                      measure_flops=measure_flops, peak_flops=peak_flops, batch_size_fn=batch_size_fn)
+        check_options(
+            type(self).__name__, log_every_n_steps=log_every_n_steps, flops_per_sample=flops_per_sample,
+            measure_flops=measure_flops, peak_flops=peak_flops, batch_size_fn=batch_size_fn,
+        )
         self.log_every_n_steps = log_every_n_steps
         self.flops_per_sample = flops_per_sample
         self.measure_flops = measure_flops

@@ -18,8 +18,8 @@ from test_monitor import ImageData, WithGraphBreak, _events
 from lightning_plugin import CompiledStrategy, CompileStats
 from lightning_plugin.callbacks import CompileReport, HParamsRecord, ImageGrid, StepMonitor, TrainingMonitor
 
-#: ``compile/<field>`` and ``final/compile_<field>`` for every field of ``CompileStats.as_dict()``: the monitor
-#: follows the stats, so a field added there shows up here by design.
+#: ``compile/<field>`` and ``final/compile_<field>`` for every field of ``CompileStats.as_dict()``: the
+#: monitor follows the stats, so a field added there shows up here by design.
 COMPILE_FIELDS = set(CompileStats().as_dict())
 SCALARS = {
     # the monitor's own
@@ -39,7 +39,9 @@ HPARAMS = {
     "compile/backend", "compile/mode", "compile/fullgraph", "compile/dynamic", "compile/regional",
     "compile/fallback", "compile/kernels",
 }
-FINAL_METRICS = {"final/train_loss", "final/val_loss", *(f"final/compile_{field}" for field in COMPILE_FIELDS)}
+FINAL_METRICS = {
+    "final/train_loss", "final/val_loss", *(f"final/compile_{field}" for field in COMPILE_FIELDS)
+}
 
 
 def _hparams_session(acc) -> plugin_data_pb2.HParamsPluginData:
@@ -72,7 +74,9 @@ def _fit_and_read_tags(root: Path, callbacks: list[pl.Callback]) -> dict[str, se
 def test_the_monitor_writes_exactly_these_tags(tmp_path):
     tags = _fit_and_read_tags(tmp_path, [TrainingMonitor(log_every_n_steps=2, peak_flops=1e12, num_images=4)])
     assert tags["scalars"] == SCALARS
-    assert {"compile/graphs", "compile/graph_breaks", "compile/recompiles", "compile/compile_time_s"} <= SCALARS
+    assert {"compile/graphs", "compile/graph_breaks", "compile/recompiles", "compile/compile_time_s"} <= (
+        tags["scalars"]
+    )
     assert tags["texts"] == TEXTS
     assert tags["images"] == IMAGES
     assert tags["hparams"] == HPARAMS
@@ -81,7 +85,8 @@ def test_the_monitor_writes_exactly_these_tags(tmp_path):
 
 def test_the_four_parts_alone_write_the_same_tags(tmp_path):
     steps = StepMonitor(peak_flops=1e12)
-    parts = [steps, ImageGrid(num_images=4, meter=steps.meter), CompileReport(meter=steps.meter), HParamsRecord()]
+    grid, report = ImageGrid(num_images=4, meter=steps.meter), CompileReport(meter=steps.meter)
+    parts = [steps, grid, report, HParamsRecord()]
     tags = _fit_and_read_tags(tmp_path, parts)
     assert tags == {"scalars": SCALARS, "texts": TEXTS, "images": IMAGES, "hparams": HPARAMS,
                     "final": FINAL_METRICS}

@@ -1,4 +1,4 @@
-"""A foreign top-level ``kernels`` or ``vision`` (Hugging Face's ``kernels`` is on PyPI) is reported at import.
+"""A foreign top-level ``kernels`` or ``vision`` (Hugging Face's ``kernels`` is on PyPI) fails at import.
 
 Each case runs in a fresh interpreter with a planted package earlier on ``sys.path`` (``PYTHONPATH``), as a
 second installed distribution or a local directory of the same name would be.
@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def _import(statement: str, *front: Path) -> subprocess.CompletedProcess:
     path = os.pathsep.join([*map(str, front), str(ROOT)])
     env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-c", statement], capture_output=True, text=True, env=env, cwd=front[0]
-                          if front else ROOT, timeout=300)
+    cwd = front[0] if front else ROOT
+    return subprocess.run(
+        [sys.executable, "-c", statement], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
 
 
 def _plant(root: Path, name: str) -> Path:

@@ -19,7 +19,8 @@ def test_epochs_with_a_mocked_clock(monkeypatch):
     ticks = iter([0.0, 1.0, 2.0, 10.0, 10.5, 11.0, 20.0, 21.0, 21.5])
     monkeypatch.setattr(step_meter, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     meter = ThroughputMeter()
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), sanity_checking=False)
+    strategy = SimpleNamespace(root_device=torch.device("cpu"))
+    trainer = SimpleNamespace(strategy=strategy, sanity_checking=False)
     batch = (torch.zeros(4, 3, 2, 2), torch.zeros(4))
     meter.on_fit_start(trainer, None)
     # epoch 0: start 0, batch 1..2, validation 2..10, batch 10.5..11

@@ -226,8 +226,9 @@ class DeviceLoader:
             self._resume = False
 
     def batch_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """The pipeline's normalisation: implements ``lightning_plugin.callbacks.image_grid.NormalizedBatches``,
-        so the monitor's image grid shows the images un-normalised."""
+        """The pipeline's normalisation: implements
+        ``lightning_plugin.callbacks.image_grid.NormalizedBatches``, so the monitor's image grid shows the
+        images un-normalised."""
         return self.pipeline.batch_normalization()
 
     @property

@@ -72,8 +72,9 @@ class Pipeline:
         return any(op.mixes_targets for op in self.ops)
 
     def batch_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """``(mean, std)`` in 0..1 units of the last :class:`~vision.data.color.Normalize` op: what a viewer of
-        the output must undo (``TrainingMonitor``'s image grid asks, through the loader); None without one."""
+        """``(mean, std)`` in 0..1 units of the last :class:`~vision.data.color.Normalize` op: what a viewer
+        of the output must undo (``TrainingMonitor``'s image grid asks, through the loader); None without
+        one."""
         for op in reversed(self.ops):
             if isinstance(op, Normalize):
                 return op.mean, op.std

@@ -17,8 +17,8 @@ _AIRBENCH_KILOSTEP = 1 + 1 / (1 - _AIRBENCH_MOMENTUM)
 
 
 def _small_airbench_optim() -> OptimConfig:
-    """The optimiser of the small CPU recipes (``digits-small``, tuned on CPU, and ``imagefolder-small``, which
-    takes it over): one definition, so a retune of one carries to the other. A new object per recipe."""
+    """The optimiser of the small CPU recipes (``digits-small``, tuned on CPU, and ``imagefolder-small``,
+    which takes it over): one definition, so a retune of one carries to the other. A new object per recipe."""
     return OptimConfig(
         optimizer="sgd",
         lr=0.2,
