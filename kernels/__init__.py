@@ -16,6 +16,9 @@ from kernels.conv_bn_act import FusedConvBNAct
 from kernels.group_norm_act import FusedGroupNormAct
 from kernels.layer_norm2d_act import FusedLayerNorm2dAct
 
+#: Read from this file by ``lightning_plugin.package_identity``: this ``kernels`` is ours, not another one.
+__distribution__ = "lightning-compiled-vision"
+
 #: The kernels, by the one name each goes by (module, function, op, ``CompileConfig(kernels=...)``).
 KERNELS: tuple[str, ...] = ("conv_bn_act", "batch_norm_act", "group_norm_act", "layer_norm2d_act")
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from kernels._common import (
     accumulation_dtype,
+    activation_code,
     apply_activation,
     as_dense,
     cdiv,
@@ -94,6 +95,19 @@ def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """
     s_hw = t.stride(3) if t.shape[3] > 1 else t.stride(2)
     return t.stride(0), s_hw, t.stride(1)
+
+
+def epilogue_flags(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None, activation: str
+) -> dict[str, Any]:
+    """The epilogue's ``tl.constexpr`` switches every norm kernel takes (forward and backward), as launch
+    keywords: each combination compiles its own specialisation, with the unused loads removed."""
+    return {
+        "HAS_WEIGHT": weight is not None,
+        "HAS_BIAS": bias is not None,
+        "HAS_RESIDUAL": residual is not None,
+        "ACTIVATION": activation_code(activation),
+    }
 
 
 def num_warps(elements: int) -> int:

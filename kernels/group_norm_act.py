@@ -23,7 +23,6 @@ from torch import nn
 
 from kernels._common import (
     accumulation_dtype,
-    activation_code,
     as_dense,
     check_activation,
     dense_vector,
@@ -34,6 +33,7 @@ from kernels._common import (
 from kernels._norm_common import (
     autocast_to_fp32,
     check_common,
+    epilogue_flags,
     fake_grads,
     fuse_residual,
     norm_backward,
@@ -143,6 +143,24 @@ def _gn_fwd_kernel(
 
 
 @triton.jit
+def _epilogue_grad_tile(
+    x_ptr, g_ptr, res_ptr, n, hws, cols, mask, mean, rstd, w, bias,
+    sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c,
+    HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """One ``[BLOCK_HW, BLOCK_C]`` tile of sample ``n``: ``(g_u, x̂)``, the gradient at the epilogue's input
+    and the normalised input. Both backward passes recompute it (cheaper than storing ``g_u``)."""
+    x = tl.load(x_ptr + n * sx_n + (hws * sx_hw)[:, None] + (cols * sx_c)[None, :], mask=mask, other=0.0)
+    g = tl.load(g_ptr + n * sg_n + (hws * sg_hw)[:, None] + (cols * sg_c)[None, :], mask=mask, other=0.0)
+    xhat = (x.to(tl.float32) - mean) * rstd
+    r_offs = n * sr_n + (hws * sr_hw)[:, None] + (cols * sr_c)[None, :]
+    g = grad_through_epilogue(
+        g.to(tl.float32), xhat, w[None, :], bias[None, :], res_ptr, r_offs, mask, HAS_RESIDUAL, ACTIVATION
+    )
+    return g, xhat
+
+
+@triton.jit
 def _gn_bwd_kernel(
     # pointers
     g_ptr,
@@ -205,16 +223,9 @@ def _gn_bwd_kernel(
         for hw0 in range(0, HW, BLOCK_HW):
             hws = hw0 + tl.arange(0, BLOCK_HW).to(tl.int64)
             mask = (hws < HW)[:, None] & mask_c[None, :]
-            x = tl.load(
-                x_ptr + n * sx_n + (hws * sx_hw)[:, None] + (cols * sx_c)[None, :], mask=mask, other=0.0
-            ).to(tl.float32)
-            g = tl.load(
-                g_ptr + n * sg_n + (hws * sg_hw)[:, None] + (cols * sg_c)[None, :], mask=mask, other=0.0
-            ).to(tl.float32)
-            xhat = (x - mean) * rstd
-            r_offs = n * sr_n + (hws * sr_hw)[:, None] + (cols * sr_c)[None, :]
-            g = grad_through_epilogue(
-                g, xhat, w[None, :], bias[None, :], res_ptr, r_offs, mask, HAS_RESIDUAL, ACTIVATION
+            g, xhat = _epilogue_grad_tile(
+                x_ptr, g_ptr, res_ptr, n, hws, cols, mask, mean, rstd, w, bias,
+                sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c, HAS_RESIDUAL, ACTIVATION,
             )
             g = tl.where(mask, g, 0.0)
             acc_g += g
@@ -237,16 +248,9 @@ def _gn_bwd_kernel(
             for hw0 in range(0, HW, BLOCK_HW):
                 hws = hw0 + tl.arange(0, BLOCK_HW).to(tl.int64)
                 mask = (hws < HW)[:, None] & mask_c[None, :]
-                x = tl.load(
-                    x_ptr + n * sx_n + (hws * sx_hw)[:, None] + (cols * sx_c)[None, :], mask=mask, other=0.0
-                ).to(tl.float32)
-                g = tl.load(
-                    g_ptr + n * sg_n + (hws * sg_hw)[:, None] + (cols * sg_c)[None, :], mask=mask, other=0.0
-                ).to(tl.float32)
-                xhat = (x - mean) * rstd
-                r_offs = n * sr_n + (hws * sr_hw)[:, None] + (cols * sr_c)[None, :]
-                g = grad_through_epilogue(
-                    g, xhat, w[None, :], bias[None, :], res_ptr, r_offs, mask, HAS_RESIDUAL, ACTIVATION
+                g, xhat = _epilogue_grad_tile(
+                    x_ptr, g_ptr, res_ptr, n, hws, cols, mask, mean, rstd, w, bias,
+                    sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c, HAS_RESIDUAL, ACTIVATION,
                 )
                 d_offs = n * sd_n + (hws * sd_hw)[:, None] + (cols * sd_c)[None, :]
                 if WRITE_DRES:
@@ -302,10 +306,7 @@ def group_norm_act_forward_triton(
             *row_strides(x),
             *row_strides(res),
             *row_strides(y),
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
-            ACTIVATION=activation_code(activation),
+            **epilogue_flags(weight, bias, residual, activation),
             BLOCK_HW=block_hw,
             BLOCK_C=block_c,
             num_warps=num_warps(block_hw * block_c),
@@ -359,12 +360,9 @@ def group_norm_act_backward_triton(
             *row_strides(x),
             *row_strides(res),
             *row_strides(out),
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
+            **epilogue_flags(weight, bias, residual, activation),
             WRITE_DX=dx is not None,
             WRITE_DRES=dres is not None,
-            ACTIVATION=activation_code(activation),
             BLOCK_HW=block_hw,
             BLOCK_C=block_c,
             num_warps=num_warps(block_hw * block_c),

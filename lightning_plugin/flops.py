@@ -20,46 +20,35 @@ __all__ = ["HOPPER_PEAK_FLOPS", "measure_forward_flops", "peak_flops", "training
 
 DtypeKey = torch.dtype | str
 
+# The H200 is an H100 with more and faster memory: the same tensor cores, so the same peaks per form factor.
+_HOPPER_SXM: dict[DtypeKey, float] = {
+    torch.float64: 67e12,  # FP64 tensor core
+    torch.float32: 67e12,
+    "tfloat32": 494.5e12,
+    torch.bfloat16: 989.5e12,
+    torch.float16: 989.5e12,
+    torch.float8_e4m3fn: 1979e12,
+    torch.int8: 1979e12,
+}
+
+_HOPPER_NVL: dict[DtypeKey, float] = {
+    torch.float64: 60e12,
+    torch.float32: 60e12,
+    "tfloat32": 417.5e12,
+    torch.bfloat16: 835.5e12,
+    torch.float16: 835.5e12,
+    torch.float8_e4m3fn: 1670.5e12,
+    torch.int8: 1670.5e12,
+}
+
 #: Dense peak FLOP/s per GPU from NVIDIA's H100 and H200 datasheets (tensor-core figures
 #: halved where the sheet quotes them with 2:4 sparsity). "tfloat32" is fp32 matmuls
 #: with TF32 allowed (``torch.get_float32_matmul_precision() != "highest"``).
 HOPPER_PEAK_FLOPS: dict[str, dict[DtypeKey, float]] = {
-    "h200 sxm": {
-        torch.float64: 67e12,  # FP64 tensor core
-        torch.float32: 67e12,
-        "tfloat32": 494.5e12,
-        torch.bfloat16: 989.5e12,
-        torch.float16: 989.5e12,
-        torch.float8_e4m3fn: 1979e12,
-        torch.int8: 1979e12,
-    },
-    "h200 nvl": {
-        torch.float64: 60e12,
-        torch.float32: 60e12,
-        "tfloat32": 417.5e12,
-        torch.bfloat16: 835.5e12,
-        torch.float16: 835.5e12,
-        torch.float8_e4m3fn: 1670.5e12,
-        torch.int8: 1670.5e12,
-    },
-    "h100 sxm": {
-        torch.float64: 67e12,
-        torch.float32: 67e12,
-        "tfloat32": 494.5e12,
-        torch.bfloat16: 989.5e12,
-        torch.float16: 989.5e12,
-        torch.float8_e4m3fn: 1979e12,
-        torch.int8: 1979e12,
-    },
-    "h100 nvl": {
-        torch.float64: 60e12,
-        torch.float32: 60e12,
-        "tfloat32": 417.5e12,
-        torch.bfloat16: 835.5e12,
-        torch.float16: 835.5e12,
-        torch.float8_e4m3fn: 1670.5e12,
-        torch.int8: 1670.5e12,
-    },
+    "h200 sxm": dict(_HOPPER_SXM),
+    "h200 nvl": dict(_HOPPER_NVL),
+    "h100 sxm": dict(_HOPPER_SXM),
+    "h100 nvl": dict(_HOPPER_NVL),
     "h100 pcie": {
         torch.float64: 51e12,
         torch.float32: 51e12,

@@ -9,78 +9,74 @@ two epochs, a ``v_num: 0.000`` metric, a FLOPs column of zeros, an unexplained "
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
+
 __all__ = ["BestAndLastCheckpoint", "FitLoggingInterval", "LcvModelSummary", "LcvProgressBar", "ThroughputMeter"]
 
 
 class ThroughputMeter(Callback):
-    """Training images per second over the training batches of every epoch (validation excluded).
+    """Training images per second over the training batches of every epoch (validation excluded), on the same
+    :class:`~lightning_plugin.step_meter.StepMeter` as ``TrainingMonitor``'s ``perf/samples_per_sec``.
 
-    The clock runs from the first training batch of each epoch (or the epoch's start) to its last training
-    batch, so data loading counts but validation does not; the device is synchronised before each reading. An
-    epoch resumed from a mid-epoch checkpoint (Lightning does not call ``on_train_epoch_start`` for it) starts
-    its clock at its first batch.
+    An epoch's time runs from its start to its last training batch, so data loading counts but validation does
+    not; the device's current stream is synchronised before each reading. An epoch resumed from a mid-epoch
+    checkpoint (Lightning does not call ``on_train_epoch_start`` for it) starts its clock at its first batch.
     """
 
     def __init__(self) -> None:
-        self.samples = 0
-        self.seconds = 0.0
-        self.first_epoch_seconds: float | None = None
-        self.first_epoch_samples = 0
-        self._start: float | None = None
-        self._last = 0.0
-        self._epoch_samples = 0
+        self.meter = StepMeter()
+        #: one per finished training epoch
+        self.epochs: list[StepTotals] = []
 
-    def _now(self, trainer: Trainer) -> float:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-        return time.perf_counter()
+    @property
+    def samples(self) -> int:
+        return sum(epoch.samples for epoch in self.epochs)
+
+    @property
+    def seconds(self) -> float:
+        return sum(epoch.busy_s for epoch in self.epochs)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.meter.synchronize = stream_synchronizer(trainer.strategy.root_device)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start = self._last = self._now(trainer)
-        self._epoch_samples = 0
+        self.meter.discard()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._start is None:
-            self._start = self._last = self._now(trainer)
-            self._epoch_samples = 0
+        self.meter.step_started()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._last = self._now(trainer)
-        self._epoch_samples += int(batch[0].shape[0])
+        self.meter.step_ended(int(batch[0].shape[0]))
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.meter.discard()  # a mid-epoch validation is not training time
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._start is None:
-            return
-        elapsed = self._last - self._start
-        self._start = None
-        if self.first_epoch_seconds is None:
-            self.first_epoch_seconds, self.first_epoch_samples = elapsed, self._epoch_samples
-        self.seconds += elapsed
-        self.samples += self._epoch_samples
+        epoch = self.meter.take()
+        if epoch.steps:
+            self.epochs.append(epoch)
 
     def images_per_second(self, skip_first_epoch: bool = False) -> float | None:
         """All epochs, or all but the first (which includes compilation and warm-up)."""
-        samples, seconds = self.samples, self.seconds
-        if skip_first_epoch and self.first_epoch_seconds is not None:
-            samples -= self.first_epoch_samples
-            seconds -= self.first_epoch_seconds
-        return samples / seconds if seconds > 0 and samples > 0 else None
+        epochs = self.epochs[1:] if skip_first_epoch else self.epochs
+        return sum(epochs, StepTotals()).samples_per_sec
 
 
 class BestAndLastCheckpoint(ModelCheckpoint):

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from vision.data.loader import first_images
 from vision.ema import ModelEMA, ema_warmup_decay, lookahead_decay
 from vision.finetune import load_initial_weights, pretrained_state_dict, read_weights_file
 from vision.models import create_model
@@ -363,15 +364,10 @@ def _first_images(trainer: pl.Trainer, n: int) -> torch.Tensor:
     if datamodule is not None and hasattr(datamodule, "sample_train_images"):
         return datamodule.sample_train_images(n).float()
     loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader
-    chunks, count = [], 0
-    for images, _ in loader:
-        chunks.append(images)
-        count += images.shape[0]
-        if count >= n:
-            break
-    if not chunks:
+    images = first_images(loader, n)
+    if images is None:
         raise ValueError("the training loader is empty: cannot initialise the whitening layer")
-    return torch.cat(chunks)[:n].float()
+    return images.float()
 
 
 def _validate(args: dict[str, Any]) -> None:

@@ -363,7 +363,7 @@ def _fake_trainer(is_global_zero: bool = True, device: str = "cuda") -> SimpleNa
 @pytest.mark.parametrize("rank_zero", [True, False])
 def test_exact_metrics_with_a_mocked_clock_and_device(monkeypatch, rank_zero: bool) -> None:
     """Every clock read follows a sync of the device's current stream; the window averages are exact."""
-    import lightning_plugin.callbacks.monitor as monitor_module
+    import lightning_plugin.step_meter as step_meter_module
 
     events: list[str] = []
     ticks = iter([0.0, 1.0, 1.5, 1.75, 2.5, 2.6, 9.0])
@@ -373,7 +373,7 @@ def test_exact_metrics_with_a_mocked_clock_and_device(monkeypatch, rank_zero: bo
         return next(ticks)
 
     stream = SimpleNamespace(synchronize=lambda: events.append("sync"))
-    monkeypatch.setattr(monitor_module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(step_meter_module, "time", SimpleNamespace(perf_counter=clock))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 29)

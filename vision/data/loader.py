@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import torch
 from torch import Tensor
@@ -80,6 +80,18 @@ def split_batches(shard: Tensor, batch_size: int, count: int, drop_last: bool) -
         end = count * batch_size if drop_last else shard.numel()
         out.append(shard[(count - 1) * batch_size: end])
     return out
+
+
+def first_images(batches: Iterable[tuple[Tensor, Any]], n: int) -> Tensor | None:
+    """The first ``n`` images of ``(images, targets)`` batches, reading no more batches than that takes (fewer
+    images when they run out; None when there are none). For data-dependent initialisation."""
+    chunks, count = [], 0
+    for images, _ in batches:
+        chunks.append(images)
+        count += images.shape[0]
+        if count >= n:
+            break
+    return torch.cat(chunks)[:n] if chunks else None
 
 
 class DeviceLoader:
@@ -212,6 +224,12 @@ class DeviceLoader:
             self.position = 0
             self._started = False
             self._resume = False
+
+    def batch_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """The pipeline's normalisation: implements
+        ``lightning_plugin.callbacks.image_grid.NormalizedBatches``, so the monitor's image grid shows the
+        images un-normalised."""
+        return self.pipeline.batch_normalization()
 
     @property
     def sampler(self) -> "DeviceLoader":

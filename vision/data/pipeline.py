@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from vision.data.color import Normalize
 from vision.data.compiled import CompiledOps, ops_runner
 from vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
@@ -69,6 +70,15 @@ class Pipeline:
     @property
     def mixes_targets(self) -> bool:
         return any(op.mixes_targets for op in self.ops)
+
+    def batch_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """``(mean, std)`` in 0..1 units of the last :class:`~vision.data.color.Normalize` op: what a viewer
+        of the output must undo (``TrainingMonitor``'s image grid asks, through the loader); None without
+        one."""
+        for op in reversed(self.ops):
+            if isinstance(op, Normalize):
+                return op.mean, op.std
+        return None
 
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> list[Params]:
         """Draw the parameters of every op for one batch (CPU tensors), tracking the size through the ops."""

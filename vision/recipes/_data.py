@@ -17,6 +17,7 @@ from vision.data.color import Normalize
 from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
 from vision.data.datasets import OnCorrupt
 from vision.data.geometry import CenterCrop, ResizeCenterCrop
+from vision.data.loader import first_images
 from vision.data.pipeline import Pipeline
 from vision.recipes._pipeline import build_train_pipeline
 from vision.recipes._recipe import AugmentConfig
@@ -62,13 +63,10 @@ class RecipeData:
         """
         loader = self._loader("train", train=False)  # type: ignore[attr-defined]
         loader.shuffle = True  # epoch 0's seeded permutation
-        chunks, count = [], 0
-        for images, _ in loader:
-            chunks.append(images)
-            count += images.shape[0]
-            if count >= n:
-                break
-        return torch.cat(chunks)[:n]
+        images = first_images(loader, n)
+        if images is None:
+            raise ValueError("the training split is empty: no images to sample")
+        return images
 
 
 class DigitsData(RecipeData, DigitsDataModule):

@@ -15,6 +15,23 @@ from vision.recipes._registry import register_recipe
 _AIRBENCH_MOMENTUM = 0.85
 _AIRBENCH_KILOSTEP = 1 + 1 / (1 - _AIRBENCH_MOMENTUM)
 
+
+def _small_airbench_optim() -> OptimConfig:
+    """The optimiser of the small CPU recipes (``digits-small``, tuned on CPU, and ``imagefolder-small``,
+    which takes it over): one definition, so a retune of one carries to the other. A new object per recipe."""
+    return OptimConfig(
+        optimizer="sgd",
+        lr=0.2,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=5e-4,
+        bias_lr_scale=4.0,
+        schedule="triangle",
+        warmup_fraction=0.2,
+        warmup_start_factor=0.2,
+        final_lr_factor=0.05,
+    )
+
 register_recipe(
     Recipe(
         name="cifar10-airbench",
@@ -126,18 +143,7 @@ register_recipe(
         model_kwargs={"widths": [32, 64, 64]},
         dataset="digits",
         augment=AugmentConfig(crop_padding=2, padding_mode="constant", flip="none"),
-        optim=OptimConfig(
-            optimizer="sgd",
-            lr=0.2,
-            momentum=0.9,
-            nesterov=True,
-            weight_decay=5e-4,
-            bias_lr_scale=4.0,
-            schedule="triangle",
-            warmup_fraction=0.2,
-            warmup_start_factor=0.2,
-            final_lr_factor=0.05,
-        ),
+        optim=_small_airbench_optim(),
         epochs=12,
         batch_size=64,
         precision="bf16-mixed",
@@ -191,18 +197,7 @@ register_recipe(
         # 64 px crops of 72 px squares: small enough for a CPU, large enough for photos of objects
         data_kwargs={"image_size": 64, "storage_size": 72},
         augment=AugmentConfig(rrc_scale=(0.35, 1.0), flip="random"),
-        optim=OptimConfig(
-            optimizer="sgd",
-            lr=0.2,
-            momentum=0.9,
-            nesterov=True,
-            weight_decay=5e-4,
-            bias_lr_scale=4.0,
-            schedule="triangle",
-            warmup_fraction=0.2,
-            warmup_start_factor=0.2,
-            final_lr_factor=0.05,
-        ),
+        optim=_small_airbench_optim(),
         epochs=24,
         batch_size=32,
         precision="bf16-mixed",
