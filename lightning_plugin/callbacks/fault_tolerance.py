@@ -58,7 +58,7 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
 
     @property
     @override
-    def ckpt_path(self) -> str | None:  # type: ignore[override]
+    def ckpt_path(self) -> str | None:  # type: ignore[override]  # widened: None until resolved
         """The checkpoint file; ``None`` while ``dirpath=None`` is not resolved yet (before fit starts)."""
         if self._resolve_dirpath and not self.dirpath:
             return None
