@@ -5,7 +5,7 @@ and the module helpers. Each op's kernels, op and module live in its own file (`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
@@ -147,8 +147,13 @@ def empty_grad(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((0,), dtype=torch.float32)
 
 
-def pack_grads(grads: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(empty_grad(x) if g is None else g for g in grads)
+#: What a norm op's backward returns: (dx, dγ, dβ, d residual), an empty tensor for each one not asked for.
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def pack_grads(grads: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> Grads:
+    dx, dw, db, dres = (empty_grad(x) if g is None else g for g in grads)
+    return dx, dw, db, dres
 
 
 def fake_grads(
@@ -166,13 +171,18 @@ def fake_grads(
     )
 
 
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
 def unpack_grads(
     grads: tuple[torch.Tensor, ...], mask: list[bool], weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, ...]:
     dx, dw, db, dres = (g if want else None for g, want in zip(grads, mask, strict=True))
     if dw is not None:
+        assert weight is not None  # autograd asks for no gradient of an absent weight
         dw = dw.to(weight.dtype)
     if db is not None:
+        assert bias is not None
         db = db.to(bias.dtype)
     return dx, dw, db, dres
 
@@ -191,7 +201,7 @@ def norm_backward(ctx: Any, grad_y: torch.Tensor | None, backward_op: Any, *op_a
 
 def run_backward(
     x: torch.Tensor, triton_impl: Any, reference_impl: Any, *args: Any
-) -> tuple[torch.Tensor, ...]:
+) -> Grads:
     """A backward op's body: the gradients from Triton or the reference, packed for the op's return."""
     return pack_grads(run_triton_or_reference(x, triton_impl, reference_impl, *args), x)
 
@@ -210,6 +220,10 @@ def needed_grads(ctx: Any, weight: Any, bias: Any, residual: Any) -> list[bool]:
 # Reference building blocks (the ``*_reference`` modules)
 
 
+@overload
+def channel(v: torch.Tensor, acc: torch.dtype) -> torch.Tensor: ...
+@overload
+def channel(v: None, acc: torch.dtype) -> None: ...
 def channel(v: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor | None:
     """A per-channel vector shaped to broadcast over (N, C, H, W), in the accumulation dtype."""
     return None if v is None else v.to(acc).view(1, -1, 1, 1)
@@ -274,7 +288,7 @@ def autocast_to_fp32(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.is_autocast_enabled("cuda")
 
 
-def share_state(src: nn.Module, cls: type[nn.Module], act: nn.Module | None) -> nn.Module:
+def share_state(src: nn.Module, cls: type[_Module], act: nn.Module | None) -> _Module:
     """A ``cls`` instance that *is* ``src`` in state: same attributes, parameter and buffer dicts, plus the
     fused activation's name."""
     activation = checked_activation_name(act)
@@ -286,5 +300,5 @@ def share_state(src: nn.Module, cls: type[nn.Module], act: nn.Module | None) -> 
     fused._parameters = src._parameters
     fused._buffers = src._buffers
     fused._modules = dict(src._modules)
-    fused.activation = activation
+    fused.activation = activation  # type: ignore[assignment]  # a str: nn.Module types attributes as modules
     return fused

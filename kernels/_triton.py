@@ -53,8 +53,8 @@ except ImportError as _err:  # pragma: no cover - exercised in a subprocess by t
         cdiv = staticmethod(cdiv)
         next_power_of_2 = staticmethod(next_power_of_2)
 
-    triton = _NoTriton()  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]  # only used inside kernel bodies and (string) annotations
+    triton = _NoTriton()
+    tl = None  # only used inside kernel bodies and (string) annotations
 
 __all__ = [
     "TRITON_IMPORT_ERROR",

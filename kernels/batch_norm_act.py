@@ -411,8 +411,10 @@ def batch_norm_act_forward_triton(
     n, c, h, w = x.shape
     m = n * h * w
     if not use_batch_stats:
+        assert running_mean is not None and running_var is not None  # check_batch_norm_act_args
         mean, var = running_mean.to(torch.float32, copy=True), running_var.to(torch.float32, copy=True)
     elif batch_mean is not None:
+        assert batch_var is not None  # given together (check_batch_norm_act_args)
         mean, var = batch_mean.to(torch.float32, copy=True), batch_var.to(torch.float32, copy=True)
     else:
         mean, var = batch_stats_triton(x)
@@ -527,6 +529,7 @@ def batch_norm_act_backward_triton(
         dres = empty_in_layout_of(x, residual.dtype) if (want_r and residual is not None) else None
         if dx is not None or dres is not None:
             out = dx if dx is not None else dres
+            assert out is not None
             _bn_bwd_apply_kernel[(triton.cdiv(m, block_m), c_blocks)](
                 grad_y,
                 x,
@@ -830,9 +833,9 @@ class FusedBatchNormAct(nn.BatchNorm2d):
         """Wrap an existing BatchNorm2d (and activation module), sharing its parameters and buffers."""
         if not isinstance(bn, nn.BatchNorm2d):
             raise TypeError(f"from_module expects nn.BatchNorm2d, got {type(bn).__name__}")
-        return share_state(bn, cls, act)  # type: ignore[return-value]
+        return share_state(bn, cls, act)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return batch_norm_act_forward(self, x, self.activation, residual)
 
     def extra_repr(self) -> str:

@@ -515,9 +515,9 @@ class FusedGroupNormAct(nn.GroupNorm):
         """Wrap an existing GroupNorm (and activation module), sharing its parameters."""
         if not isinstance(gn, nn.GroupNorm):
             raise TypeError(f"from_module expects nn.GroupNorm, got {type(gn).__name__}")
-        return share_state(gn, cls, act)  # type: ignore[return-value]
+        return share_state(gn, cls, act)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(
                 f"FusedGroupNormAct expects a 4-D (N, C, H, W) input, got shape {tuple(x.shape)}"

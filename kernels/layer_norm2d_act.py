@@ -463,9 +463,9 @@ class FusedLayerNorm2dAct(nn.LayerNorm):
                 "LayerNorm2d normalizes one (channel) dimension; "
                 f"normalized_shape is {tuple(ln.normalized_shape)}"
             )
-        return share_state(ln, cls, act)  # type: ignore[return-value]
+        return share_state(ln, cls, act)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(
                 f"FusedLayerNorm2dAct expects a 4-D (N, C, H, W) input, got shape {tuple(x.shape)}"

@@ -10,7 +10,7 @@ never call DDP's ``_setup_model``, so they compile in ``setup``. The behaviour l
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -31,8 +31,15 @@ from lightning_plugin.config import CompileConfig
 #: ``trainer.state.fn`` while fitting (a str enum in both Lightning namespaces).
 _FITTING = "fit"
 
+# The mixin is put on the `lightning.pytorch` or the `pytorch_lightning` DDPStrategy; mypy checks it against
+# the former, so that its overrides and `super()` calls are checked.
+if TYPE_CHECKING:
+    _DDPStrategyBase = DDPStrategy
+else:
+    _DDPStrategyBase = object
 
-class CompiledDDPMixin(CompiledStrategyMixin):
+
+class CompiledDDPMixin(CompiledStrategyMixin, _DDPStrategyBase):
     """DDP, each process compiling ``forward`` before DDP wraps the module; mixed into a ``DDPStrategy``."""
 
     strategy_name = "compiled_ddp"
@@ -53,7 +60,7 @@ class CompiledDDPMixin(CompiledStrategyMixin):
         **kwargs: Any,
     ) -> None:
         compile_settings, ddp_kwargs = split_compile_settings(kwargs)
-        super().__init__(  # type: ignore[call-arg]
+        super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -73,7 +80,7 @@ class CompiledDDPMixin(CompiledStrategyMixin):
 
     @override
     def setup(self, trainer: Any) -> None:
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         if trainer.state.fn != _FITTING:
             self._compile_lightning_module()
 

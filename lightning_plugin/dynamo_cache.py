@@ -57,6 +57,7 @@ def _compiler_of(entry: Any) -> Any:
 
 def _with_resume_functions(code: types.CodeType) -> Iterator[types.CodeType]:
     """``code`` and the resume functions dynamo generated from it at graph breaks (recursively)."""
+    resumes: Any  # dynamo's ExactWeakKeyDictionary {code: {key: resume code}}, or {} where it is missing
     try:
         from torch._dynamo.resume_execution import ContinueExecutionCache
 

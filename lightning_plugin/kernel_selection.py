@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -355,12 +355,12 @@ def _decide(job: _Job) -> list[KernelDecision]:
         if len(nested[id(rep)]) > MAX_NESTED_REWRITES:
             why = f"holds {len(nested[id(rep)])} other rewritten blocks: a model, not timed as a block"
             decisions[id(rep)] = KernelDecision(rep.path, rep.kind, "eager", None, reason=why)
-        elif inputs.get(id(rep)) is None:
+        elif (block_inputs := inputs.get(id(rep))) is None:
             why = "called with keyword tensors" if id(rep) in inputs else "not called in the first forward"
             decisions[id(rep)] = KernelDecision(rep.path, rep.kind, "eager", None, reason=why)
         else:
             assert rep.module is not None
-            signature = BlockSignature.of(rep, rep.module, inputs[id(rep)], training, compiler)
+            signature = BlockSignature.of(rep, rep.module, block_inputs, training, compiler)
             signatures[id(rep)] = signature
             groups.setdefault(signature.key, []).append(rep)
 
@@ -384,7 +384,7 @@ def _decide(job: _Job) -> list[KernelDecision]:
             measured[key] = measure_block(
                 rep,
                 nested[id(rep)],
-                inputs[id(rep)],
+                cast(tuple[Any, ...], inputs[id(rep)]),  # grouped above: called with positional inputs
                 signatures[id(rep)],
                 training=training,
                 compile_fn=job.compile_fn,

@@ -18,12 +18,14 @@ from lightning_plugin.strategy import CompiledSingleDeviceMixin
 
 __all__ = ["CompiledDDPStrategy", "CompiledStrategy"]
 
+# The `type: ignore[misc]` below: mypy checks the mixins against `lightning.pytorch`'s bases, whose members
+# it finds incompatible with the same-named ones of `pytorch_lightning` (the same code in another package).
 
-class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):
+class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):  # type: ignore[misc]
     """``lightning_plugin.CompiledStrategy`` for ``pytorch_lightning.Trainer``."""
 
 
-class CompiledDDPStrategy(CompiledDDPMixin, DDPStrategy):
+class CompiledDDPStrategy(CompiledDDPMixin, DDPStrategy):  # type: ignore[misc]
     """``lightning_plugin.CompiledDDPStrategy`` for ``pytorch_lightning.Trainer``."""
 
 

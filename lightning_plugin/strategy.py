@@ -8,7 +8,7 @@ built on the standalone ``pytorch_lightning`` package's base class
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -21,8 +21,15 @@ from typing_extensions import override
 from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config, with_compile_settings
 from lightning_plugin.config import CompileConfig
 
+# The mixin is put on the `lightning.pytorch` or the `pytorch_lightning` SingleDeviceStrategy; mypy checks it
+# against the former, so that its overrides and `super()` calls are checked.
+if TYPE_CHECKING:
+    _SingleDeviceStrategyBase = SingleDeviceStrategy
+else:
+    _SingleDeviceStrategyBase = object
 
-class CompiledSingleDeviceMixin(CompiledStrategyMixin):
+
+class CompiledSingleDeviceMixin(CompiledStrategyMixin, _SingleDeviceStrategyBase):
     """One device, ``forward`` compiled; combined with a ``SingleDeviceStrategy`` of either namespace."""
 
     strategy_name = "compiled"
@@ -38,7 +45,7 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin):
         precision_plugin: Precision | None = None,
         **compile_settings: Any,
     ) -> None:
-        super().__init__(  # type: ignore[call-arg]
+        super().__init__(
             device="cpu" if device is None else device,
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
@@ -68,7 +75,7 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin):
     def root_device(self) -> torch.device:
         if not self._explicit_device and self._parallel_devices:
             return self._parallel_devices[0]
-        return self._root_device  # type: ignore[return-value]
+        return self._root_device
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -30,10 +30,11 @@ runs instead of those modules); hooks on the block itself do.
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, cast
 
 from torch import nn
 
@@ -53,7 +54,13 @@ __all__ = [
     "undo_substitutions",
 ]
 
-_MISSING = object()
+class _Missing(enum.Enum):
+    """The type of ``_MISSING``, an enum so that ``x is not _MISSING`` narrows ``x``'s type."""
+
+    MISSING = enum.auto()
+
+
+_MISSING: Final = _Missing.MISSING
 
 
 @dataclass
@@ -120,8 +127,9 @@ def _norm_mode(conv: nn.Module | None, norm: nn.Module, kinds: frozenset[str]) -
     if spec is None:
         return "eager", f"{type(norm).__name__} has no fused kernel"
     why = spec.check(norm) if spec.check is not None else None
-    if why is None and spec.kernel == "layer_norm2d_act" and len(norm.normalized_shape) != 1:
-        why = f"normalized_shape {tuple(norm.normalized_shape)} is not one channel dimension"
+    layer_norm = cast(nn.LayerNorm, norm)  # the layer_norm2d_act norms subclass it (timm, torchvision)
+    if why is None and spec.kernel == "layer_norm2d_act" and len(layer_norm.normalized_shape) != 1:
+        why = f"normalized_shape {tuple(layer_norm.normalized_shape)} is not one channel dimension"
     for name in spec.identities:
         if why is None and not is_identity(getattr(norm, name, None)):
             why = f"{type(norm).__name__}.{name} is {type(getattr(norm, name)).__name__}, not Identity"
@@ -140,7 +148,7 @@ def _norm_mode(conv: nn.Module | None, norm: nn.Module, kinds: frozenset[str]) -
     return spec.kernel, (None if reason is None else f"conv stays eager ({reason})")
 
 
-def _own_act(norm: nn.Module) -> nn.Module | None | object:
+def _own_act(norm: nn.Module) -> nn.Module | None | _Missing:
     """A norm-activation class's own activation module, or ``_MISSING`` for a plain norm."""
     spec = norm_spec(norm)
     return _MISSING if spec is None or spec.act is None else getattr(norm, spec.act, None)
@@ -158,6 +166,7 @@ def _plan_chain(block: nn.Module, chain: Chain, kinds: frozenset[str]) -> tuple[
     act_module = own if own is not _MISSING else (_find(block, chain.act) if chain.act is not None else None)
     between = [_find(block, path) for path in chain.between]
     act = activation_name(act_module)
+    why: str | None
     if own is not _MISSING and chain.act is not None:
         mode, why = (
             "eager",
@@ -217,13 +226,14 @@ def _plan_sequential(seq: nn.Sequential, kinds: frozenset[str]) -> tuple[tuple[S
         norm_at = i + 1 if conv is not None else i
         norm = mods[norm_at] if norm_at < len(mods) else None
         is_norm = norm is not None and (norm_spec(norm) is not None or isinstance(norm, _NORM_BASES))
-        mode, why = _norm_mode(conv, norm, kinds) if is_norm else ("eager", None)
+        mode, why = _norm_mode(conv, norm, kinds) if norm is not None and is_norm else ("eager", None)
         if why is not None and (mode != "eager" or conv is None):  # else the norm's own turn says why
             reasons.append(f"{names[norm_at]}: {why}")
         if mode == "eager" or (conv is not None and mode != "conv_bn_act"):
             steps.append(Step("call", None, names[i]))  # runs as is (a conv not fused: its norm comes next)
             i += 1
             continue
+        assert norm is not None  # a fused mode comes from _norm_mode(conv, norm, ...)
         own = _own_act(norm)
         nxt = norm_at + 1
         act_child = None
@@ -327,7 +337,7 @@ def apply_substitutions(
             plan, why = _plan_block(sub, spec, kinds)
             attribute, forward = spec.attribute, spec.forward
         elif _is_plain_sequential(sub):
-            plan, why = _plan_sequential(sub, kinds)  # type: ignore[arg-type]
+            plan, why = _plan_sequential(sub, kinds)
             attribute, forward = "forward", _sequential_forward
         else:
             continue

@@ -8,6 +8,7 @@ too keeps the evaluated network self-consistent.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ class ModelEMA(nn.Module):
         for name, average in self.module.state_dict().items():
             live[name].copy_(average)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @override

@@ -9,7 +9,7 @@ loading only part of a backbone silently trains a different network.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -50,7 +50,7 @@ def pretrained_state_dict(name: str) -> tuple[dict[str, Tensor], str]:
     try:
         import timm
     except ImportError:
-        timm = None
+        timm = None  # type: ignore[assignment]  # timm is an optional extra: None when not installed
     if timm is not None and timm.is_model(name) and timm.is_model_pretrained(name):
         try:
             model = timm.create_model(name, pretrained=True)
@@ -84,10 +84,17 @@ def read_weights_file(path: str) -> dict[str, Tensor]:
     return loaded
 
 
+@runtime_checkable
+class _HasClassifier(Protocol):
+    """A timm model: ``get_classifier()`` returns its head."""
+
+    def get_classifier(self) -> nn.Module: ...
+
+
 def classifier_prefixes(model: nn.Module, num_classes: int) -> list[str]:
     """Names of the modules that form the classification head: timm's ``get_classifier()``, else the last
     ``nn.Linear`` with ``num_classes`` outputs."""
-    if hasattr(model, "get_classifier"):
+    if isinstance(model, _HasClassifier):
         head = model.get_classifier()
         for name, module in model.named_modules():
             if module is head:

@@ -12,7 +12,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vision.data.loader import first_images
@@ -36,6 +37,13 @@ __all__ = ["ClassificationModule", "lr_factor"]
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 Schedule = Literal["cosine", "triangle", "step", "constant"]
+
+
+@runtime_checkable
+class _Whitened(Protocol):
+    """A model with a data-initialised whitening layer (airbench's), set up by ``whitening_images``."""
+
+    def init_whitening(self, images: torch.Tensor) -> None: ...
 
 
 class ClassificationModule(pl.LightningModule):
@@ -121,9 +129,15 @@ class ClassificationModule(pl.LightningModule):
         if num_classes is not None:
             self._build(num_classes)
 
+    @property
+    def _hp(self) -> AttributeDict:
+        """``hparams`` with attribute access typed: ``save_hyperparameters`` stores an ``AttributeDict``,
+        which Lightning's ``hparams`` property declares as any ``MutableMapping``."""
+        return cast(AttributeDict, self.hparams)
+
     # ----------------------------------------------------------------------------------------- building
     def _build(self, num_classes: int) -> None:
-        hp = self.hparams
+        hp = self._hp
         try:
             model = create_model(hp.model, num_classes=num_classes, **(hp.model_kwargs or {}))
         except TypeError as err:  # typically model_kwargs meant for another architecture
@@ -139,10 +153,10 @@ class ClassificationModule(pl.LightningModule):
         if hp.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
-        self.hparams.num_classes = num_classes
+        self._hp.num_classes = num_classes
         if hp.ema_decay is not None or hp.lookahead:
             self.ema = ModelEMA(model, decay=hp.ema_decay if hp.ema_decay is not None else 0.0)
-        metric_kwargs = {"num_classes": num_classes, "average": "micro"}
+        metric_kwargs: dict[str, Any] = {"num_classes": num_classes, "average": "micro"}
         self.train_acc = MulticlassAccuracy(top_k=1, **metric_kwargs)
         for stage in ("val", "test"):
             setattr(self, f"{stage}_acc", MulticlassAccuracy(top_k=1, **metric_kwargs))
@@ -160,14 +174,14 @@ class ClassificationModule(pl.LightningModule):
                     "pass num_classes explicitly"
                 )
             self._build(int(num_classes))
-        if stage == "fit" and (self.hparams.pretrained or self.hparams.weights) and not self._initial_weights_loaded:
+        if stage == "fit" and (self._hp.pretrained or self._hp.weights) and not self._initial_weights_loaded:
             self.load_initial_weights()
 
     def load_initial_weights(self) -> str:
         """Load the ``pretrained`` or ``weights`` file weights into the model (and its EMA); returns the report.
 
         Called at the start of the first ``fit`` (before compiling), so fine-tuning needs no extra step."""
-        hp = self.hparams
+        hp = self._hp
         if self.model is None:
             raise RuntimeError("the model is not built yet: pass num_classes or run inside a Trainer")
         if hp.weights:
@@ -185,7 +199,7 @@ class ClassificationModule(pl.LightningModule):
     def evaluation_weights(self) -> list[str]:
         """The weights this module can evaluate, the default first: ``["EMA", "final"]`` with a plain EMA, else
         ``["final"]`` (with lookahead the final weights are the average)."""
-        return ["EMA", "final"] if self.ema is not None and not self.hparams.lookahead else ["final"]
+        return ["EMA", "final"] if self.ema is not None and not self._hp.lookahead else ["final"]
 
     @contextlib.contextmanager
     def evaluating_with(self, weights: str) -> Iterator[None]:
@@ -205,12 +219,13 @@ class ClassificationModule(pl.LightningModule):
             raise RuntimeError("the model is not built yet: pass num_classes or run inside a Trainer with a datamodule")
         # Evaluate with the plain EMA; with lookahead the live model is itself the average at eval time.
         if not self.training and self.evaluation_weights()[0] == "EMA" and self._evaluate_with != "final":
+            assert self.ema is not None  # "EMA" is offered only when it is kept
             return self.ema(images)
         return self.model(images)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy for int64 class targets (N,) or soft float targets (N, num_classes) from mixup/cutmix."""
-        return F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
+        return F.cross_entropy(logits.float(), targets, label_smoothing=self._hp.label_smoothing)
 
     # ----------------------------------------------------------------------------------------- steps
     @override
@@ -232,12 +247,12 @@ class ClassificationModule(pl.LightningModule):
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         images, targets = _split(batch)
-        self._evaluate("test", predict_with_tta(self, images, self.hparams.tta), targets)
+        self._evaluate("test", predict_with_tta(self, images, self._hp.tta), targets)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
         images = batch[0] if isinstance(batch, (list, tuple)) else batch
-        probs = predict_with_tta(self, images, self.hparams.tta).float().softmax(dim=1)
+        probs = predict_with_tta(self, images, self._hp.tta).float().softmax(dim=1)
         return {"probs": probs, "preds": probs.argmax(dim=1)}
 
     def _evaluate(self, stage: str, logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -254,16 +269,16 @@ class ClassificationModule(pl.LightningModule):
     # ----------------------------------------------------------------------------------------- hooks
     @override
     def on_fit_start(self) -> None:
-        n = self.hparams.whitening_images
-        if n and hasattr(self.model, "init_whitening"):
+        n = self._hp.whitening_images
+        if n and isinstance(self.model, _Whitened):
             images = _first_images(self.trainer, n)
             self.model.init_whitening(images.to(self.device))
-            if self.ema is not None:
-                self.ema.module.init_whitening(images.to(self.device))
+            if self.ema is not None:  # a copy of the model, so it has the same layer
+                cast(_Whitened, self.ema.module).init_whitening(images.to(self.device))
 
     @override
     def on_train_epoch_start(self) -> None:
-        epochs = self.hparams.whitening_bias_epochs
+        epochs = self._hp.whitening_bias_epochs
         whiten = getattr(self.model, "whiten", None)
         if epochs is not None and whiten is not None and whiten.bias is not None:
             whiten.bias.requires_grad_(self.current_epoch < epochs)
@@ -272,7 +287,8 @@ class ClassificationModule(pl.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.ema is None:
             return
-        hp = self.hparams
+        hp = self._hp
+        assert self.model is not None  # built together with the EMA
         step = self.global_step
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         if hp.lookahead:
@@ -287,7 +303,8 @@ class ClassificationModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = self._hp
+        assert self.model is not None  # built in setup, which Lightning runs first
         weights, norms = _split_parameters(self.model)
         norm_wd = hp.weight_decay if hp.norm_weight_decay is None else hp.norm_weight_decay
         groups = [
@@ -295,6 +312,7 @@ class ClassificationModule(pl.LightningModule):
             {"params": norms, "lr": hp.lr * hp.bias_lr_scale, "weight_decay": norm_wd / hp.bias_lr_scale},
         ]
         groups = [g for g in groups if g["params"]]
+        optimizer: torch.optim.Optimizer
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov)
         else:
@@ -360,10 +378,16 @@ def _first_images(trainer: pl.Trainer, n: int) -> torch.Tensor:
     A datamodule with ``sample_train_images`` (the recipe DataModules) gives a seeded random sample of
     unaugmented images without touching its train loader; otherwise they come from the start of the train
     loader."""
-    datamodule = trainer.datamodule
+    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set at runtime by Lightning
     if datamodule is not None and hasattr(datamodule, "sample_train_images"):
         return datamodule.sample_train_images(n).float()
     loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader
+    if loader is None:  # fit(train_dataloaders=...): Lightning builds that loader only after on_fit_start
+        raise ValueError(
+            f"whitening_images={n} needs the training images when fit starts, before Lightning has loaded "
+            "the train_dataloaders passed to fit: pass a datamodule (trainer.fit(module, datamodule=...)) "
+            "or set whitening_images=0"
+        )
     images = first_images(loader, n)
     if images is None:
         raise ValueError("the training loader is empty: cannot initialise the whitening layer")

@@ -9,11 +9,16 @@ both a norm (inside ``ConvNormAct`` and the EfficientNet blocks) and, standing a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from lightning_plugin.blocks._registry import Chain, register_block, register_norm
 from lightning_plugin.blocks._run import run_chain
+
+# The forwards below take `self: Any`: they are bound to timm's instances and reach their children by
+# name, which mypy cannot follow through `nn.Module.__getattr__` (typed `Tensor | Module`).
 
 _NORM_ACT = "timm.layers.norm_act"
 _RESNET = "timm.models.resnet"
@@ -31,30 +36,30 @@ def _checkpoint_seq(modules: object, x: torch.Tensor) -> torch.Tensor:
     return checkpoint_seq(modules, x, flatten=True)
 
 
-def _checkpointing(model: nn.Module) -> bool:
+def _checkpointing(model: Any) -> bool:
     return model.grad_checkpointing and not torch.jit.is_scripting()
 
 
-def _norm_act_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _norm_act_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``BatchNormAct2d.forward`` / ``GroupNormAct.forward``: the norm, its ``drop``, its ``act``."""
     return run_chain(self, "", x)
 
 
-def _conv_norm_act_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _conv_norm_act_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.layers.ConvNormAct.forward``."""
     x = run_chain(self, "bn", x)
     aa = getattr(self, "aa", None)
     return x if aa is None else self.aa(x)
 
 
-def _basic_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _basic_block_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.resnet.BasicBlock.forward``."""
     out = self.aa(run_chain(self, "bn1", x))
     shortcut = x if self.downsample is None else self.downsample(x)
     return run_chain(self, "bn2", out, shortcut)
 
 
-def _bottleneck_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _bottleneck_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.resnet.Bottleneck.forward``."""
     out = run_chain(self, "bn1", x)
     out = self.aa(run_chain(self, "bn2", out))
@@ -62,7 +67,7 @@ def _bottleneck_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return run_chain(self, "bn3", out, shortcut)
 
 
-def _resnet_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _resnet_forward_features(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.resnet.ResNet.forward_features``."""
     x = self.maxpool(run_chain(self, "bn1", x))
     stages = [self.layer1, self.layer2, self.layer3, self.layer4]
@@ -73,16 +78,16 @@ def _resnet_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _skip(self: nn.Module, x: torch.Tensor, shortcut: torch.Tensor) -> torch.Tensor:
+def _skip(self: Any, x: torch.Tensor, shortcut: torch.Tensor) -> torch.Tensor:
     return self.drop_path(x) + shortcut if self.has_skip else x
 
 
-def _conv_bn_act_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _conv_bn_act_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``_efficientnet_blocks.ConvBnAct.forward``."""
     return _skip(self, self.aa(run_chain(self, "bn1", x)), x)
 
 
-def _depthwise_separable_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _depthwise_separable_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``_efficientnet_blocks.DepthwiseSeparableConv.forward``."""
     shortcut = x
     if self.conv_s2d is not None:
@@ -91,7 +96,7 @@ def _depthwise_separable_forward(self: nn.Module, x: torch.Tensor) -> torch.Tens
     return _skip(self, run_chain(self, "bn2", x), shortcut)
 
 
-def _inverted_residual_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _inverted_residual_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``_efficientnet_blocks.InvertedResidual.forward``."""
     shortcut = x
     if self.conv_s2d is not None:
@@ -101,26 +106,26 @@ def _inverted_residual_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor
     return _skip(self, run_chain(self, "bn3", x), shortcut)
 
 
-def _edge_residual_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _edge_residual_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``_efficientnet_blocks.EdgeResidual.forward`` (EfficientNetV2's fused MBConv)."""
     x_mid = self.se(self.aa(run_chain(self, "bn1", x)))
     return _skip(self, run_chain(self, "bn2", x_mid), x)
 
 
-def _efficientnet_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _efficientnet_forward_features(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.efficientnet.EfficientNet.forward_features``: stem chain, blocks, head chain."""
     x = run_chain(self, "bn1", x)
     x = _checkpoint_seq(self.blocks, x) if _checkpointing(self) else self.blocks(x)
     return run_chain(self, "bn2", x)
 
 
-def _mobilenetv3_forward_features(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mobilenetv3_forward_features(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.mobilenetv3.MobileNetV3.forward_features``: stem chain, blocks."""
     x = run_chain(self, "bn1", x)
     return _checkpoint_seq(self.blocks, x) if _checkpointing(self) else self.blocks(x)
 
 
-def _convnext_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _convnext_block_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``timm.models.convnext.ConvNeXtBlock.forward``. Only its ``conv_mlp`` form normalises NCHW tensors (a
     ``LayerNorm2d``, the chain); the other one runs a plain ``LayerNorm`` on channels-last ones, as is."""
     shortcut = x

@@ -7,23 +7,27 @@ blocks around it only call it. Each forward below restates the one of torchvisio
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 from lightning_plugin.blocks._registry import Chain, register_block, register_norm
 from lightning_plugin.blocks._run import run_chain
 
+# The forwards below take `self: Any`: they are bound to torchvision's instances and reach their children by
+# name, which mypy cannot follow through `nn.Module.__getattr__` (typed `Tensor | Module`).
+
 _RESNET = "torchvision.models.resnet"
 
 
-def _basic_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _basic_block_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``BasicBlock.forward``."""
     out = run_chain(self, "bn1", x)
     identity = x if self.downsample is None else self.downsample(x)
     return run_chain(self, "bn2", out, identity)
 
 
-def _bottleneck_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _bottleneck_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``Bottleneck.forward``."""
     out = run_chain(self, "bn1", x)
     out = run_chain(self, "bn2", out)
@@ -31,7 +35,7 @@ def _bottleneck_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return run_chain(self, "bn3", out, identity)
 
 
-def _resnet_forward_impl(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _resnet_forward_impl(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``ResNet._forward_impl``: the stem's chain, then the stages and the head as they are."""
     x = self.maxpool(run_chain(self, "bn1", x))
     x = self.layer4(self.layer3(self.layer2(self.layer1(x))))

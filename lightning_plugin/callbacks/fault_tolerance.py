@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -57,7 +58,7 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
 
     @property
     @override
-    def ckpt_path(self) -> str | None:  # type: ignore[override]
+    def ckpt_path(self) -> str | None:  # type: ignore[override]  # widened: None until resolved
         """The checkpoint file; ``None`` while ``dirpath=None`` is not resolved yet (before fit starts)."""
         if self._resolve_dirpath and not self.dirpath:
             return None
@@ -156,5 +157,6 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
 
 def _step_in_flight(trainer: pl.Trainer) -> bool:
     """True when the exception hit between taking a batch and finishing its optimizer step."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    # the training epoch loop's batch progress counts with `_ProcessedTracker`s (declared as their base)
+    progress = cast(_ProcessedTracker, trainer.fit_loop.epoch_loop.batch_progress.current)
     return progress.ready > progress.processed

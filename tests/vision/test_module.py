@@ -162,3 +162,16 @@ def test_lookahead_ends_on_the_average_and_whitening_bias_freezes():
     # epoch 1 (the second) trained without the bias: only lookahead averaging could move it, and the
     # average of an unchanged value is the value
     torch.testing.assert_close(biases[1], biases[0])
+
+
+def test_whitening_without_a_datamodule_names_the_problem():
+    """fit(train_dataloaders=...) has no loader yet at on_fit_start, where the whitening images are taken."""
+    images = torch.rand(16, 3, 16, 16)
+    dataset = torch.utils.data.TensorDataset(images, torch.arange(16) % 10)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8)
+    module = ClassificationModule(model="airbench94", num_classes=10, model_kwargs={"widths": [8, 8, 8]},
+                                  whitening_images=8)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"whitening_images=8 needs the training images .* datamodule"):
+        trainer.fit(module, train_dataloaders=loader)

@@ -9,6 +9,8 @@ scales are frozen at 1 and only BN biases learn. Published widths: 64/256/256 (a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -91,6 +93,7 @@ class AirbenchNet(nn.Module):
         whiten_channels = 2 * in_channels * 2 * 2
         self.whiten = nn.Conv2d(in_channels, whiten_channels, kernel_size=2, padding=0, bias=True)
         self.whiten.weight.requires_grad_(False)
+        assert self.whiten.bias is not None  # bias=True
         nn.init.zeros_(self.whiten.bias)  # as airbench: the bias starts at 0 and learns for a few epochs
         self.act = nn.GELU()
         if not bn_eps > 0:
@@ -142,12 +145,12 @@ def whitening_weights(images: torch.Tensor, eps: float = 5e-4, rel_tol: float = 
 
 
 @register_model
-def airbench94(num_classes: int = 10, **kwargs) -> AirbenchNet:
+def airbench94(num_classes: int = 10, **kwargs: Any) -> AirbenchNet:
     """airbench94 widths 64/256/256 (94% on CIFAR-10 in ~10 epochs)."""
     return AirbenchNet(num_classes=num_classes, **{"widths": (64, 256, 256), **kwargs})
 
 
 @register_model
-def airbench95(num_classes: int = 10, **kwargs) -> AirbenchNet:
+def airbench95(num_classes: int = 10, **kwargs: Any) -> AirbenchNet:
     """airbench95 widths 128/384/384 (95% in ~15 epochs)."""
     return AirbenchNet(num_classes=num_classes, **{"widths": (128, 384, 384), **kwargs})

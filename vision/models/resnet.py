@@ -9,7 +9,7 @@ with ``load_state_dict``. Only standard conv/BN/ReLU ops: channels_last and Indu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -204,24 +204,24 @@ register_block(
 
 
 @register_model
-def resnet18(num_classes: int = 1000, **kwargs) -> ResNet:
+def resnet18(num_classes: int = 1000, **kwargs: Any) -> ResNet:
     """ResNet-18 (BasicBlock, 2-2-2-2)."""
     return ResNet(BasicBlock, (2, 2, 2, 2), num_classes=num_classes, **kwargs)
 
 
 @register_model
-def resnet34(num_classes: int = 1000, **kwargs) -> ResNet:
+def resnet34(num_classes: int = 1000, **kwargs: Any) -> ResNet:
     """ResNet-34 (BasicBlock, 3-4-6-3)."""
     return ResNet(BasicBlock, (3, 4, 6, 3), num_classes=num_classes, **kwargs)
 
 
 @register_model
-def resnet50(num_classes: int = 1000, **kwargs) -> ResNet:
+def resnet50(num_classes: int = 1000, **kwargs: Any) -> ResNet:
     """ResNet-50 (Bottleneck v1.5, 3-4-6-3)."""
     return ResNet(Bottleneck, (3, 4, 6, 3), num_classes=num_classes, **kwargs)
 
 
 @register_model
-def cifar_resnet18(num_classes: int = 10, **kwargs) -> ResNet:
+def cifar_resnet18(num_classes: int = 10, **kwargs: Any) -> ResNet:
     """ResNet-18 with the 3x3 stride-1 stem and no max pool, the usual choice for 32 px images."""
     return ResNet(BasicBlock, (2, 2, 2, 2), num_classes=num_classes, **{"stem": "cifar", **kwargs})

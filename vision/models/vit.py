@@ -7,6 +7,8 @@ Pre-norm blocks, a class token and learned position embeddings (Dosovitskiy et a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,21 +105,21 @@ class VisionTransformer(nn.Module):
 
 
 @register_model
-def vit_tiny_patch4_32(num_classes: int = 10, **kwargs) -> VisionTransformer:
+def vit_tiny_patch4_32(num_classes: int = 10, **kwargs: Any) -> VisionTransformer:
     """Tiny ViT for 32 px images: 64 patches of 4x4, dim 192, depth 6, 3 heads."""
     return VisionTransformer(num_classes, **{"image_size": 32, "patch_size": 4, "dim": 192, "depth": 6,
                                              "num_heads": 3, **kwargs})
 
 
 @register_model
-def vit_small_patch4_32(num_classes: int = 10, **kwargs) -> VisionTransformer:
+def vit_small_patch4_32(num_classes: int = 10, **kwargs: Any) -> VisionTransformer:
     """Small ViT for 32 px images: dim 384, depth 7, 6 heads."""
     return VisionTransformer(num_classes, **{"image_size": 32, "patch_size": 4, "dim": 384, "depth": 7,
                                              "num_heads": 6, **kwargs})
 
 
 @register_model
-def vit_tiny_patch16_224(num_classes: int = 1000, **kwargs) -> VisionTransformer:
+def vit_tiny_patch16_224(num_classes: int = 1000, **kwargs: Any) -> VisionTransformer:
     """ViT-Ti/16 at 224 px (dim 192, depth 12, 3 heads)."""
     return VisionTransformer(num_classes, **{"image_size": 224, "patch_size": 16, "dim": 192, "depth": 12,
                                              "num_heads": 3, **kwargs})

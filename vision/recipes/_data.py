@@ -8,7 +8,7 @@ arguments a recipe always fixes (output dtype float32, pipeline objects).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from typing_extensions import override
@@ -24,24 +24,33 @@ from vision.recipes._recipe import AugmentConfig
 
 __all__ = ["CIFAR10Data", "DigitsData", "ImageFolderData", "RecipeData", "DATAMODULES"]
 
+# The mixin goes on `vision.data`'s DataModules; mypy checks it against their common base, so that its
+# overrides and `super()` calls are checked.
+if TYPE_CHECKING:
+    from vision.data.datamodules import _DeviceDataModule as _DataModuleBase
+else:
+    _DataModuleBase = object
 
-class RecipeData:
+
+class RecipeData(_DataModuleBase):
     """Mixin: an ``augment`` config turned into the train pipeline, and access to raw training images."""
 
     augment: AugmentConfig | None
+    image_size: int  # set by each DataModule
+    num_classes: int
 
     @override
     def default_train_pipeline(self) -> Pipeline:
         if self.augment is None:
-            return super().default_train_pipeline()  # type: ignore[misc]
+            return super().default_train_pipeline()
         return build_train_pipeline(
             self.augment,
-            mean=self.mean,  # type: ignore[attr-defined]
-            std=self.std,  # type: ignore[attr-defined]
-            image_size=self.image_size,  # type: ignore[attr-defined]
-            num_classes=self.num_classes,  # type: ignore[attr-defined]
+            mean=self.mean,
+            std=self.std,
+            image_size=self.image_size,
+            num_classes=self.num_classes,
             epoch=self._train_epoch,
-            seed=self.seed,  # type: ignore[attr-defined]
+            seed=self.seed,
         )
 
     def _train_epoch(self) -> int:
@@ -51,7 +60,7 @@ class RecipeData:
     @override
     def predict_dataloader(self) -> Any:
         """Predictions run over the test split (no augmentation; batches still carry their labels)."""
-        return self.test_dataloader()  # type: ignore[attr-defined]
+        return self.test_dataloader()
 
     def sample_train_images(self, n: int) -> torch.Tensor:
         """``n`` training images drawn at random (seeded with ``seed``), normalised but not augmented.
@@ -61,7 +70,7 @@ class RecipeData:
         by class, so the first 5,000 CIFAR-10 JPEGs are all airplanes. It does not touch the train loader,
         so its position and its checkpointed state stay exact.
         """
-        loader = self._loader("train", train=False)  # type: ignore[attr-defined]
+        loader = self._loader("train", train=False)
         loader.shuffle = True  # epoch 0's seeded permutation
         images = first_images(loader, n)
         if images is None:
