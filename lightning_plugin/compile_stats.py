@@ -65,6 +65,12 @@ class CompileStats:
     fallback_reason: str | None = None
     #: Compiled frames an earlier compile in this process left in dynamo's cache and this one reuses.
     reused_frames: int = 0
+    #: What the training steps run after ``compile="auto"/"always"/"never"``: "compiled", "eager", or None
+    #: while ``"auto"`` is still measuring (kept across :meth:`start`; the decision outlives a compile).
+    decision: str | None = None
+    #: Median eager step time / median compiled step time that decided (above 1: compiled is faster).
+    speedup: float | None = None
+    decision_reason: str | None = None  # the decision in one line
 
     def start(self, reused_frames: int = 0) -> None:
         """Forget earlier records."""
@@ -158,6 +164,8 @@ class CompileStats:
             "fell_back": float(self.fell_back),
             "skipped_frames": float(len(self.skipped_frames)),
             "reused_frames": float(self.reused_frames),
+            **({"speedup_vs_eager": self.speedup} if self.speedup is not None else {}),
+            **({"trains_eagerly": float(self.decision == "eager")} if self.decision is not None else {}),
         }
 
     def summary(self) -> str:
@@ -170,7 +178,8 @@ class CompileStats:
         skipped = self.skipped_frames
         if skipped:
             line += f"; {len(skipped)} frame(s) ran eagerly: {skipped[0]}"
-        return line + (f"; fell back to eager: {self.fallback_reason}" if self.fell_back else "")
+        line += f"; fell back to eager: {self.fallback_reason}" if self.fell_back else ""
+        return line + (f"; {self.decision_reason}" if self.decision_reason else "")
 
 
 # dynamo raises SkipFrame for a frame with nothing to compile (no tensor ops): eager is all it can be
