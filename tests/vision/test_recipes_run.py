@@ -58,7 +58,8 @@ def test_gpu_defaults_pick_the_compiled_strategy_and_recipe_precision():
     assert config.channels_last and config.mode == "max-autotune-no-cudagraphs" and trainer.max_epochs == 10
     assert trainer.precision == "bf16-mixed"
     cpu = build_trainer("cifar10-airbench", gpu=False, logger=False)
-    assert not isinstance(cpu.strategy, CompiledStrategy) and cpu.precision == "32-true"
+    assert isinstance(cpu.strategy, CompiledStrategy) and cpu.precision == "32-true"
+    assert cpu.strategy.compile_config.compile == "auto" and not cpu.strategy.compile_config.compile_eval
 
 
 def test_imagefolder_fixres_sizes(tiny_imagefolder):
@@ -98,10 +99,12 @@ def test_whitening_images_are_a_seeded_sample_across_classes(tiny_cifar):
     assert len(set(drawn)) == 12 and len(set(labels[drawn].tolist())) >= 4  # not just the first class
 
 
-def test_gpu_runs_keep_the_portable_compile_cache_on():
-    """``lcv fit`` on a GPU compiles once per run: a resume or another rank loads the saved artifacts."""
+def test_runs_keep_the_portable_compile_cache_on():
+    """``lcv fit`` compiles once per run, on a GPU and on the CPU: a resume or another rank loads the saved
+    artifacts."""
     from vision.recipes._build import trainer_kwargs
 
-    strategy = trainer_kwargs("digits-small", gpu=True)["strategy"]
-    assert strategy["init_args"]["cache"] is True
-    assert trainer_kwargs("digits-small", gpu=False)["strategy"] == "auto"
+    for gpu in (True, False):
+        strategy = trainer_kwargs("digits-small", gpu=gpu)["strategy"]
+        assert strategy["class_path"] == "lightning_plugin.CompiledStrategy"
+        assert strategy["init_args"]["cache"] is True
