@@ -92,11 +92,13 @@ class CompileDecider:
         self.mode = mode
         self.decision: CompileDecision | None = None
         self.key: tuple[str, str] | None = None  # (machine fingerprint, model signature) of ``decision``
-        self._broadcast: Callable[[Any], Any] = lambda obj: obj
+        self._broadcast: Callable[[Any], Any] = _same
         self._is_global_zero = True
         self._device = torch.device("cpu")
         self._precision = ""
         self._active = False
+        self._measuring = False
+        self._step_start: float | None = None
 
     # ------------------------------------------------------------------ a run (fit, validate, ...)
     def begin(
@@ -120,7 +122,7 @@ class CompileDecider:
         self._unit_seconds = 0.0
         self._unit_clean = True
         self._unit_compiles = 0
-        self._step_start: float | None = None
+        self._step_start = None
         self._step_end: float | None = None
         self._samples: dict[bool, list[float]] = {True: [], False: []}
         self._active = True
@@ -141,7 +143,7 @@ class CompileDecider:
         if self._first_batch:
             self._first_batch = False
             self._look_up(module, batch)
-        if self.decision is not None or self.compiler.stats.fell_back:
+        if self.decision is not None:  # found in the cache
             self._measuring = False
             return
         self._close_batch()
@@ -162,6 +164,7 @@ class CompileDecider:
     def end(self) -> None:
         self._active = False
         self._step_start = None
+        self._broadcast = _same  # the strategy's, for this run only (a strategy pickles without it)
 
     # ------------------------------------------------------------------ measuring
     def _open_unit(self) -> None:
@@ -270,6 +273,10 @@ class CompileDecider:
         if self._is_global_zero and self.key is not None:
             entry = {k: v for k, v in asdict(decision).items() if k != "source"}
             _cache().store(self.key[0], {self.key[1]: {"format": DECISION_FORMAT, **entry}})
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def _cache() -> DecisionCache:
