@@ -112,7 +112,6 @@ class CompileDecider:
         """The strategy compiled the module for a new run: evaluation waits for a fit's decision."""
         self._device, self._precision, self._broadcast = device, precision, broadcast
         self._is_global_zero = is_global_zero
-        self._fitting = fitting
         self._first_batch = True
         self._batches = 0
         self._units = 0
@@ -131,7 +130,7 @@ class CompileDecider:
             self._apply(CompileDecision("eager", "never"))
         elif self.mode == "always":
             self._apply(CompileDecision("compiled", "always"))
-        elif self.decision is not None and (self.mode == "auto" or not fitting):
+        elif self.decision is not None:
             self._apply(self.decision)  # an earlier fit of this strategy decided; checked again at its first batch
         else:
             self._run(eager_train=False, eager_eval=fitting)  # evaluation compiles once compiling is decided

@@ -149,7 +149,8 @@ class CompiledStrategyMixin:
     def _begin_decision(self, module: Any) -> None:
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == "fit"
-        precision = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)  # type: ignore[attr-defined]
+        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        precision = getattr(plugin, "precision", type(plugin).__name__)
         self._decider.begin(
             self.root_device,  # type: ignore[attr-defined]
             str(precision),

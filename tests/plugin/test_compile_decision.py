@@ -120,7 +120,8 @@ def test_always_and_never_override_the_measurement(mode, graphs):
 
 
 def test_bad_compile_value_is_one_line():
-    with pytest.raises(ValueError, match=r"CompileConfig.compile='sometimes' is not one of \['auto', 'always', 'never'\]"):
+    expected = r"CompileConfig.compile='sometimes' is not one of \['auto', 'always', 'never'\]"
+    with pytest.raises(ValueError, match=expected):
         CompileConfig(compile="sometimes")
 
 

@@ -211,7 +211,8 @@ def test_compile_time_leaves_out_other_compiles_in_the_process():
         def on_train_epoch_end(self, trainer, pl_module):
             torch.compile(lambda t: torch.sin(t) * 2, backend=slow_backend)(torch.randn(4))
 
-    strategy = CompiledStrategy(backend="eager", compile="always")  # tracing only: TinyModule's frames take about a second
+    # tracing only: TinyModule's frames take about a second
+    strategy = CompiledStrategy(backend="eager", compile="always")
     fit(TinyModule(), strategy, callbacks=[CompilesSomethingElse()])
     # The other compile is not the strategy's: neither its frame nor its time is counted.
     stats = strategy.compile_stats
