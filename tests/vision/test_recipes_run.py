@@ -29,6 +29,16 @@ def _tiny_data(dataset: str, tiny_cifar: str, tiny_imagefolder: str) -> dict:
     raise AssertionError(f"no tiny data for {dataset!r}")
 
 
+def _traced_only(recipe):
+    """The recipe's CPU strategy with ``aot_eager``: dynamo and AOTAutograd trace every recipe's model (graph
+    breaks and tracing errors show), without Inductor's C++ compile of each (minutes for the ResNet-50)."""
+    from lightning_plugin import CompiledStrategy
+    from vision.recipes._build import trainer_kwargs
+
+    settings = trainer_kwargs(recipe, gpu=False)["strategy"]["init_args"]
+    return CompiledStrategy(**{**settings, "backend": "aot_eager", "mode": None})  # modes are Inductor's
+
+
 @pytest.mark.parametrize("name", list_recipes())
 def test_recipe_trains_one_step_and_tests(name, tiny_cifar, tiny_imagefolder):
     recipe = get_recipe(name)
@@ -37,7 +47,7 @@ def test_recipe_trains_one_step_and_tests(name, tiny_cifar, tiny_imagefolder):
     assert module.hparams.recipe == name and module.hparams.num_classes == datamodule.num_classes
     before = {k: v.clone() for k, v in module.model.state_dict().items()}
     trainer = build_trainer(recipe, gpu=False, fast_dev_run=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False)
+                            enable_model_summary=False, strategy=_traced_only(recipe))
     assert trainer.precision == "32-true"
     trainer.fit(module, datamodule)
     assert trainer.global_step == 1
@@ -81,7 +91,8 @@ def test_imagefolder_encoded_storage_trains_and_evaluates(tiny_imagefolder):
     val_x, _ = next(iter(datamodule.val_dataloader()))
     assert val_x.shape[-2:] == (32, 32)
     trainer = build_trainer("imagefolder-resnet50", gpu=False, fast_dev_run=1, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+                            enable_progress_bar=False, enable_model_summary=False,
+                            strategy=_traced_only(get_recipe("imagefolder-resnet50")))
     trainer.fit(module, datamodule)
     assert trainer.global_step == 1
 
