@@ -36,7 +36,8 @@ def _traced_only(recipe):
     from vision.recipes._build import trainer_kwargs
 
     settings = trainer_kwargs(recipe, gpu=False)["strategy"]["init_args"]
-    return CompiledStrategy(**{**settings, "backend": "aot_eager", "mode": None})  # modes are Inductor's
+    # modes are Inductor's; no compile cache: with logger=False it would be written into the working directory
+    return CompiledStrategy(**{**settings, "backend": "aot_eager", "mode": None, "cache": False})
 
 
 @pytest.mark.parametrize("name", list_recipes())
