@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_plugin.checkpoint_keys import align_to_module, strip_compile_prefix
 from lightning_plugin.compile_cache import cache_locations, load_compile_cache, save_compile_cache
+from lightning_plugin.compile_decision import CompileDecider, CompileDecision
 from lightning_plugin.compile_stats import CompileStats
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import CompileConfig
@@ -84,6 +85,7 @@ class CompiledStrategyMixin:
 
     def _init_compiler(self, config: CompileConfig) -> None:
         self._compiler = ModuleCompiler(config)
+        self._decider = CompileDecider(self._compiler, config.compile)
         self._cache_file: Path | None = None  # where this run writes its compile cache
         self._frames_at_cache_save = 0
 
@@ -101,6 +103,12 @@ class CompiledStrategyMixin:
         return self._compiler.is_compiled
 
     @property
+    def compile_decision(self) -> CompileDecision | None:
+        """Whether training runs compiled or eager and the measured ratio behind it (``compile="auto"``);
+        None while the measurement runs, or when the fit ended before it did."""
+        return self._decider.decision
+
+    @property
     def kernel_decisions(self) -> list[Any]:
         """With ``kernels="auto"``: a ``KernelDecision`` per rewritten block (what was chosen, the measured
         ratio, whether it matched eager), available once the first forward has run the selection."""
@@ -115,8 +123,12 @@ class CompiledStrategyMixin:
         module = self.lightning_module  # type: ignore[attr-defined]
         if module is None:
             return
+        if self._compiler.config.compile == "never":
+            self._begin_decision(module)
+            return
         self._load_compile_cache(module)
         if self._compiler.compile(module, self.root_device):  # type: ignore[attr-defined]
+            self._begin_decision(module)
             config = self._compiler.config
             what = "repeated blocks" if config.regional else "forward"
             rank_zero_info(
@@ -134,7 +146,21 @@ class CompiledStrategyMixin:
                     f"Inductor alone and keeps only the correct ones at least {MIN_SPEEDUP}x faster"
                 )
 
+    def _begin_decision(self, module: Any) -> None:
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        precision = getattr(plugin, "precision", type(plugin).__name__)
+        self._decider.begin(
+            self.root_device,  # type: ignore[attr-defined]
+            str(precision),
+            fitting,
+            broadcast=self.broadcast,  # type: ignore[attr-defined]
+            is_global_zero=self.is_global_zero,  # type: ignore[attr-defined]
+        )
+
     def _restore_lightning_module(self) -> None:
+        self._decider.end()
         self._save_compile_cache(at_end=True)
         self._compiler.restore(self.lightning_module)  # type: ignore[attr-defined]
 
@@ -176,7 +202,28 @@ class CompiledStrategyMixin:
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        self._decider.before_batch(module, batch, module.trainer.accumulate_grad_batches)
         self._save_compile_cache()  # the previous step compiled: keep it even if the run dies later
         if self._compiler.config.mode == "reduce-overhead" and self._compiler.is_compiled:
             # CUDA graphs reuse output buffers: mark the step so last step's outputs are not overwritten.
             torch.compiler.cudagraph_mark_step_begin()
+
+    # The three parts of a training step; compile="auto" times a step from its batch's start to the last of them.
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        self._decider.after_work()
+        return output
+
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().backward(*args, **kwargs)  # type: ignore[misc]
+        self._decider.after_work()
+        return output
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        self._decider.after_work()
+        return output

@@ -65,9 +65,17 @@ class CompileStats:
     fallback_reason: str | None = None
     #: Compiled frames an earlier compile in this process left in dynamo's cache and this one reuses.
     reused_frames: int = 0
+    #: What the training steps run after ``compile="auto"/"always"/"never"``: "compiled", "eager", or None
+    #: while ``"auto"`` is still measuring (kept across :meth:`start`; the decision outlives a compile).
+    decision: str | None = None
+    #: Median eager step time / median compiled step time that decided (above 1: compiled is faster).
+    speedup: float | None = None
+    decision_reason: str | None = None  # the decision in one line
+    _cache_counts_at_start: dict[str, int] = field(default_factory=dict, repr=False)
 
     def start(self, reused_frames: int = 0) -> None:
         """Forget earlier records."""
+        self._cache_counts_at_start = _cache_counts()
         self.graph_records.clear()
         self.frame_records.clear()
         self.fell_back = False
@@ -97,6 +105,16 @@ class CompileStats:
     def graphs(self) -> int:
         """Graphs compiled, recompiles included."""
         return len(self.graph_records)
+
+    @property
+    def cache_hits_and_misses(self) -> tuple[int, int]:
+        """(graphs loaded from the on-disk compile caches, graphs compiled) since :meth:`start`: AOTAutograd's
+        cache where it was consulted, else Inductor's FX graph cache. Counted process-wide (dynamo's counters)."""
+        now, before = _cache_counts(), self._cache_counts_at_start
+        diff = {k: v - before.get(k, 0) for k, v in now.items()}
+        if diff["autograd_cache_hit"] or diff["autograd_cache_miss"]:
+            return diff["autograd_cache_hit"], diff["autograd_cache_miss"]
+        return diff["fxgraph_cache_hit"], diff["fxgraph_cache_miss"]
 
     @property
     def recompiles(self) -> int:
@@ -158,6 +176,8 @@ class CompileStats:
             "fell_back": float(self.fell_back),
             "skipped_frames": float(len(self.skipped_frames)),
             "reused_frames": float(self.reused_frames),
+            **({"speedup_vs_eager": self.speedup} if self.speedup is not None else {}),
+            **({"trains_eagerly": float(self.decision == "eager")} if self.decision is not None else {}),
         }
 
     def summary(self) -> str:
@@ -170,7 +190,17 @@ class CompileStats:
         skipped = self.skipped_frames
         if skipped:
             line += f"; {len(skipped)} frame(s) ran eagerly: {skipped[0]}"
-        return line + (f"; fell back to eager: {self.fallback_reason}" if self.fell_back else "")
+        line += f"; fell back to eager: {self.fallback_reason}" if self.fell_back else ""
+        return line + (f"; {self.decision_reason}" if self.decision_reason else "")
+
+
+def _cache_counts() -> dict[str, int]:
+    return {
+        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+    }
 
 
 # dynamo raises SkipFrame for a frame with nothing to compile (no tensor ops): eager is all it can be

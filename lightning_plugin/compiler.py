@@ -60,7 +60,11 @@ class ModuleCompiler:
         self._selection: Any = None  # an AutoKernelSelection with kernels="auto"
         self._targets: list[nn.Module] = []
         self._backend: Callable[..., Any] | None = None
-        self._use_eager = False
+        self._use_eager = False  # compiling failed: eager for the rest of the run
+        #: Run the eager forward in training / evaluation mode (set by ``compile="auto"``'s measurement and
+        #: decision, see :mod:`lightning_plugin.compile_decision`); nothing is traced while they are set.
+        self.eager_train = False
+        self.eager_eval = False
 
     @property
     def is_compiled(self) -> bool:
@@ -186,7 +190,8 @@ class ModuleCompiler:
                 self._selection.before_compiled_call(target, args, kwargs)
                 if target.__dict__.get("forward") is not forward:  # replaced while the selection ran
                     return target.forward(*args, **kwargs)
-            if self._use_eager or (not config.compile_eval and not target.training):
+            eager_now = self.eager_train if target.training else (self.eager_eval or not config.compile_eval)
+            if self._use_eager or eager_now:
                 return eager(*args, **kwargs)
             watch = stats.watch_frames()
             try:

@@ -32,6 +32,7 @@ KERNEL_ALIASES: tuple[str, ...] = ("auto", "all", "none")
 
 _MODES: tuple[str | None, ...] = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _FALLBACKS: tuple[str, ...] = ("eager", "raise")
+_COMPILE: tuple[str, ...] = ("auto", "always", "never")
 
 KernelsSpec = Union[str, Iterable[str]]
 
@@ -66,6 +67,11 @@ class CompileConfig:
             resume, another rank or node, a rerun into the same folder); a file path loads from and
             saves to that file; ``False`` turns it off. A cache made with another torch, Triton,
             Python or device is skipped with one warning line.
+        compile: ``"auto"`` times a few training steps compiled and eager after the first (compiling) ones and
+            trains eagerly for the rest of the run when compiled is not faster, saying so in one line; the
+            decision is cached per model and machine (see :mod:`lightning_plugin.compile_decision`).
+            ``"always"`` compiles without measuring; ``"never"`` trains eagerly (checkpoints, DDP and the
+            rest of the strategy unchanged).
     """
 
     backend: str | Callable[..., Any] = "inductor"
@@ -79,6 +85,7 @@ class CompileConfig:
     fallback: Literal["eager", "raise"] | None = None
     regional: bool = False
     cache: bool | str | os.PathLike[str] = False
+    compile: Literal["auto", "always", "never"] = "auto"
     _kernel_names: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _fallback_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -92,6 +99,8 @@ class CompileConfig:
                     f"CompileConfig.backend={self.backend!r} is not a registered torch.compile backend; "
                     f"known: {sorted(known)}"
                 )
+        if self.compile not in _COMPILE:
+            raise ValueError(f"CompileConfig.compile={self.compile!r} is not one of {list(_COMPILE)}")
         if self.mode not in _MODES:
             raise ValueError(f"CompileConfig.mode={self.mode!r} is not one of {list(_MODES)}")
         if self.mode not in (None, "default") and self.backend != "inductor":

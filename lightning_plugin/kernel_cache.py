@@ -1,4 +1,4 @@
-"""Measured kernel decisions on disk, so a second run (or a resume) does not measure again.
+"""Measured decisions on disk (kernel selection, compile or eager), so a second run or a resume does not measure again.
 
 One JSON file of entries keyed by *where* a measurement holds (GPU name, torch and Triton versions) and by the
 block signature. A new GPU or a version change misses the cache, because either changes both sides of the
@@ -54,9 +54,15 @@ def machine_fingerprint(device: torch.device) -> str:
 class DecisionCache:
     """Read-modify-write access to the measurements in one JSON file."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        file_name: str = CACHE_FILE_NAME,
+        owner: str = "kernel selection",
+    ) -> None:
         folder = Path(directory).expanduser() if directory is not None else default_cache_dir()
-        self.path = folder / CACHE_FILE_NAME
+        self.path = folder / file_name
+        self.owner = owner  # who measured, named in warnings
         self._warned = False
 
     def lookup(self, fingerprint: str, signatures: list[str]) -> dict[str, dict[str, Any]]:
@@ -78,13 +84,13 @@ class DecisionCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Written beside the target and renamed: a reader never sees half a file.
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernel_decisions.", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.stem}.", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 json.dump({"format": CACHE_FORMAT, "entries": entries}, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
         except OSError as err:
             warnings.warn(
-                f"kernel selection: could not write the decision cache {self.path} ({err}); the next run "
+                f"{self.owner}: could not write the decision cache {self.path} ({err}); the next run "
                 f"will measure again. Set {CACHE_DIR_ENV} to a writable directory.",
                 stacklevel=2,
             )
@@ -96,7 +102,7 @@ class DecisionCache:
             with open(self.path) as f:
                 data = json.load(f)
             if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-                raise ValueError("not a kernel decision cache (no 'entries' table)")
+                raise ValueError("not a decision cache (no 'entries' table)")
         except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
             self._warn_once(f"{type(err).__name__}: {err}")
             return {}
@@ -108,7 +114,7 @@ class DecisionCache:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"kernel selection: ignoring the unreadable decision cache {self.path} ({problem}); "
+                f"{self.owner}: ignoring the unreadable decision cache {self.path} ({problem}); "
                 "measuring again and rewriting it.",
                 stacklevel=3,
             )

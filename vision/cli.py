@@ -31,6 +31,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from vision.callbacks import BestAndLastCheckpoint, ThroughputMeter
+from vision.compiler_summary import CompilerSummary
 from vision.data.datasets import DatasetError
 from vision.finetune import WeightsError
 from vision.module import ClassificationModule
@@ -142,6 +143,7 @@ class LcvCLI(LightningCLI):
             {"class_path": "vision.callbacks.LcvProgressBar"},
             {"class_path": "vision.callbacks.LcvModelSummary"},
             {"class_path": "vision.callbacks.FitLoggingInterval"},
+            {"class_path": "vision.compiler_summary.CompilerSummary"},
         ]
         flat["seed_everything"] = defaults["seed_everything"]
         parser.set_defaults(flat)
@@ -283,6 +285,7 @@ class LcvCLI(LightningCLI):
             lines.append(text)
         if trainer.logger is not None and getattr(trainer.logger, "log_dir", None):
             lines.append(f"  TensorBoard logs: {trainer.logger.log_dir}   (tensorboard --logdir runs)")
+        lines += [line for c in trainer.callbacks if isinstance(c, CompilerSummary) for line in c.lines()]
         return "\n".join(lines)
 
 

@@ -29,8 +29,9 @@ def test_zero_graph_breaks_with_self_log_in_steps():
 
 
 def test_known_recompiles_are_counted_with_reasons():
-    # 20 samples in batches of 8: a last batch of 4, then validation flips grad mode.
-    strategy = CompiledStrategy(backend="aot_eager")
+    # 20 samples in batches of 8: a last batch of 4, then validation flips grad mode. compile="always": "auto"
+    # would run the third step eagerly (its measurement) and validation eagerly until it has decided.
+    strategy = CompiledStrategy(backend="aot_eager", compile="always")
     fit(TinyModule(), strategy)
     stats = strategy.compile_stats
     assert stats.recompiles >= 2

@@ -1,4 +1,8 @@
-"""The compiled strategy as users run it: many fits in one process, copies of the module, honest counters."""
+"""The compiled strategy as users run it: many fits in one process, copies of the module, honest counters.
+
+Tests of what compiled runs do use ``compile="always"``: with ``"auto"`` a short fit runs some steps eagerly
+(its measurement, see test_compile_decision.py) and validates eagerly until it has decided.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ def test_every_fit_of_many_runs_compiled(new_module_each_fit):
     for fold in range(5):  # dynamo's limit of 8 entries ran out at the 4th fit
         if new_module_each_fit:
             module = TinyModule()
-        strategy = CompiledStrategy(backend=counter)
+        strategy = CompiledStrategy(backend=counter, compile="always")
         before = counter.runs
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # no "dynamo gave up" either
@@ -73,12 +77,12 @@ def test_alternating_compile_settings_stay_compiled():
     for fit_index in range(5):
         counter = counters[fit_index % 3]
         before = counter.runs
-        fit(module, CompiledStrategy(backend=counter))
+        fit(module, CompiledStrategy(backend=counter, compile="always"))
         assert counter.runs - before >= TRAIN_STEPS + VAL_STEPS, f"fit {fit_index + 1} ran (partly) eagerly"
 
 
 def test_dynamo_giving_up_on_a_frame_is_reported():
-    strategy = CompiledStrategy(backend="aot_eager")
+    strategy = CompiledStrategy(backend="aot_eager", compile="always")
     # One graph per frame allowed: the smaller last batch and validation would need more, so dynamo gives up.
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match=r"ran .*eagerly.*recompile limit"):
         fit(TinyModule(), strategy)
@@ -207,7 +211,8 @@ def test_compile_time_leaves_out_other_compiles_in_the_process():
         def on_train_epoch_end(self, trainer, pl_module):
             torch.compile(lambda t: torch.sin(t) * 2, backend=slow_backend)(torch.randn(4))
 
-    strategy = CompiledStrategy(backend="eager")  # tracing only: TinyModule's frames take about a second
+    # tracing only: TinyModule's frames take about a second
+    strategy = CompiledStrategy(backend="eager", compile="always")
     fit(TinyModule(), strategy, callbacks=[CompilesSomethingElse()])
     # The other compile is not the strategy's: neither its frame nor its time is counted.
     stats = strategy.compile_stats

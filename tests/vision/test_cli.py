@@ -97,7 +97,7 @@ def test_recipe_defaults_then_config_then_flags(tmp_path):
     assert hp.model_kwargs == recipe.model_kwargs and hp.recipe == "digits-small" and hp.num_classes == 10
     assert cli.trainer.max_epochs == 3 and cli.datamodule.batch_size == 16
     assert cli.datamodule.augment.crop_padding == 3 and cli.datamodule.augment.flip == recipe.augment.flip
-    assert not isinstance(cli.trainer.strategy, CompiledStrategy) and cli.trainer.precision == "32-true"
+    assert isinstance(cli.trainer.strategy, CompiledStrategy) and cli.trainer.precision == "32-true"
     kinds = (ModelCheckpoint, TrainingMonitor, RichProgressBar, FaultTolerantCheckpoint, NonFiniteLossGuard)
     assert all(any(isinstance(c, kind) for c in cli.trainer.callbacks) for kind in kinds)
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == "digits-small"

@@ -29,6 +29,17 @@ def _tiny_data(dataset: str, tiny_cifar: str, tiny_imagefolder: str) -> dict:
     raise AssertionError(f"no tiny data for {dataset!r}")
 
 
+def _traced_only(recipe):
+    """The recipe's CPU strategy with ``aot_eager``: dynamo and AOTAutograd trace every recipe's model (graph
+    breaks and tracing errors show), without Inductor's C++ compile of each (minutes for the ResNet-50)."""
+    from lightning_plugin import CompiledStrategy
+    from vision.recipes._build import trainer_kwargs
+
+    settings = trainer_kwargs(recipe, gpu=False)["strategy"]["init_args"]
+    # modes are Inductor's; no compile cache: with logger=False it would be written into the working directory
+    return CompiledStrategy(**{**settings, "backend": "aot_eager", "mode": None, "cache": False})
+
+
 @pytest.mark.parametrize("name", list_recipes())
 def test_recipe_trains_one_step_and_tests(name, tiny_cifar, tiny_imagefolder):
     recipe = get_recipe(name)
@@ -37,7 +48,7 @@ def test_recipe_trains_one_step_and_tests(name, tiny_cifar, tiny_imagefolder):
     assert module.hparams.recipe == name and module.hparams.num_classes == datamodule.num_classes
     before = {k: v.clone() for k, v in module.model.state_dict().items()}
     trainer = build_trainer(recipe, gpu=False, fast_dev_run=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False)
+                            enable_model_summary=False, strategy=_traced_only(recipe))
     assert trainer.precision == "32-true"
     trainer.fit(module, datamodule)
     assert trainer.global_step == 1
@@ -58,7 +69,8 @@ def test_gpu_defaults_pick_the_compiled_strategy_and_recipe_precision():
     assert config.channels_last and config.mode == "max-autotune-no-cudagraphs" and trainer.max_epochs == 10
     assert trainer.precision == "bf16-mixed"
     cpu = build_trainer("cifar10-airbench", gpu=False, logger=False)
-    assert not isinstance(cpu.strategy, CompiledStrategy) and cpu.precision == "32-true"
+    assert isinstance(cpu.strategy, CompiledStrategy) and cpu.precision == "32-true"
+    assert cpu.strategy.compile_config.compile == "auto" and not cpu.strategy.compile_config.compile_eval
 
 
 def test_imagefolder_fixres_sizes(tiny_imagefolder):
@@ -80,7 +92,8 @@ def test_imagefolder_encoded_storage_trains_and_evaluates(tiny_imagefolder):
     val_x, _ = next(iter(datamodule.val_dataloader()))
     assert val_x.shape[-2:] == (32, 32)
     trainer = build_trainer("imagefolder-resnet50", gpu=False, fast_dev_run=1, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+                            enable_progress_bar=False, enable_model_summary=False,
+                            strategy=_traced_only(get_recipe("imagefolder-resnet50")))
     trainer.fit(module, datamodule)
     assert trainer.global_step == 1
 
@@ -98,10 +111,12 @@ def test_whitening_images_are_a_seeded_sample_across_classes(tiny_cifar):
     assert len(set(drawn)) == 12 and len(set(labels[drawn].tolist())) >= 4  # not just the first class
 
 
-def test_gpu_runs_keep_the_portable_compile_cache_on():
-    """``lcv fit`` on a GPU compiles once per run: a resume or another rank loads the saved artifacts."""
+def test_runs_keep_the_portable_compile_cache_on():
+    """``lcv fit`` compiles once per run, on a GPU and on the CPU: a resume or another rank loads the saved
+    artifacts."""
     from vision.recipes._build import trainer_kwargs
 
-    strategy = trainer_kwargs("digits-small", gpu=True)["strategy"]
-    assert strategy["init_args"]["cache"] is True
-    assert trainer_kwargs("digits-small", gpu=False)["strategy"] == "auto"
+    for gpu in (True, False):
+        strategy = trainer_kwargs("digits-small", gpu=gpu)["strategy"]
+        assert strategy["class_path"] == "lightning_plugin.CompiledStrategy"
+        assert strategy["init_args"]["cache"] is True

@@ -58,22 +58,21 @@ def data_kwargs(recipe: Recipe | str) -> dict[str, Any]:
 def trainer_kwargs(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, Any]:
     """``Trainer`` settings the recipe decides: epochs, precision, and the strategy.
 
-    On a GPU: ``strategy="compiled"`` with the recipe's compile settings, the portable compile cache on
-    (saved next to the checkpoints: a resume or another rank loads it instead of compiling), and the
-    recipe's precision.
-    On CPU: Lightning's default eager strategy in fp32, because compiling pays off on CPU only for long
-    runs (the compile time is not won back in a few minutes of training) and CPU bf16 autocast is slow.
+    ``strategy="compiled"`` with the recipe's compile settings on a GPU and on the CPU alike, with
+    ``compile="auto"`` (the strategy times a few training steps compiled and eager after compiling, and
+    trains eagerly where compiling does not pay, saying so), and the portable compile cache on (saved next
+    to the checkpoints: a resume or another rank loads it instead of compiling). The recipe's precision on a
+    GPU; fp32 on the CPU, where bf16 autocast is slow. On the CPU evaluation runs eagerly
+    (``compile_eval=False``): an evaluation of a few batches never wins back the compile of its graph (two
+    with the smaller last batch).
     """
     recipe = _resolve(recipe)
     gpu = torch.cuda.is_available() if gpu is None else gpu
-    if gpu:
-        strategy: Any = {"class_path": "lightning_plugin.CompiledStrategy", "init_args": {"cache": True, **recipe.compile}}
-    else:
-        strategy = "auto"
+    settings = {"cache": True, **({} if gpu else {"compile_eval": False}), **recipe.compile}
     return {
         "max_epochs": recipe.epochs,
         "precision": recipe.precision if gpu else "32-true",
-        "strategy": strategy,
+        "strategy": {"class_path": "lightning_plugin.CompiledStrategy", "init_args": settings},
     }
 
 
@@ -115,9 +114,11 @@ def build(
 def default_callbacks(monitor: bool = True, progress_bar: bool = True) -> list[pl.Callback]:
     """The callbacks ``lcv fit`` adds: best-and-last checkpoints (``last.ckpt`` always the latest state), a
     checkpoint of an interrupted run (``interrupted.ckpt``), a NaN/Inf loss guard, the ``TrainingMonitor``, a
-    logging interval that fits short epochs, a short model summary and a progress bar."""
+    logging interval that fits short epochs, a short model summary, what the compiler did (for the run
+    summary) and a progress bar."""
     from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard
     from vision.callbacks import BestAndLastCheckpoint, FitLoggingInterval, LcvModelSummary, LcvProgressBar
+    from vision.compiler_summary import CompilerSummary
 
     callbacks: list[pl.Callback] = [
         BestAndLastCheckpoint(monitor="val/acc", mode="max", filename="best-{epoch}-{step}"),
@@ -125,6 +126,7 @@ def default_callbacks(monitor: bool = True, progress_bar: bool = True) -> list[p
         NonFiniteLossGuard(),
         FitLoggingInterval(),
         LcvModelSummary(),
+        CompilerSummary(),
     ]
     if monitor:
         from lightning_plugin.callbacks import TrainingMonitor
