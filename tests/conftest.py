@@ -37,6 +37,13 @@ def _seed_and_reset_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _private_decision_cache(tmp_path_factory, monkeypatch):
+    """Each test gets an empty kernel/compile decision cache: a decision one test measured (under whatever load)
+    must not make another test train eagerly, nor may tests read or write the user's ``~/.cache``."""
+    monkeypatch.setenv("LCV_KERNEL_CACHE_DIR", str(tmp_path_factory.mktemp("lcv_decisions")))
+
+
 SHARED_CIFAR_ZIP = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip")
 
 
