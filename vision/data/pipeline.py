@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from vision.data.buffers import OutputBuffers
 from vision.data.compiled import CompiledOps, ops_runner
 from vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
@@ -63,8 +64,9 @@ class Pipeline:
         self.channels_last = channels_last
         self.compile = compile
         self._steps = _fold_steps(ops)
-        self._segments: list[tuple[int, int, CompiledOps | None]] | None = None
+        self._segments: dict[str, list[tuple[int, int, CompiledOps | None]]] = {}
         self._compile_failed = False
+        self._outputs = OutputBuffers()
 
     @property
     def mixes_targets(self) -> bool:
@@ -156,24 +158,29 @@ class Pipeline:
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return x.to(self.dtype).contiguous(memory_format=fmt)
 
+    def _cast(self, x: Tensor) -> Tensor:
+        return x.to(self.dtype)
+
     def _step_ops(self) -> list[BatchOp]:
         return [self.ops[step[0]] for step in self._steps]
 
-    def _compiled_segments(self) -> list[tuple[int, int, CompiledOps | None]]:
-        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops that cannot be traced."""
-        if self._segments is None:
+    def _compiled_segments(self, device: torch.device) -> list[tuple[int, int, CompiledOps | None]]:
+        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops not compiled on ``device``."""
+        if device.type not in self._segments:
             ops = self._step_ops()
+            compiles = [op.compiles_on(device) for op in ops]
             segments, start = [], 0
             for end in range(1, len(ops) + 1):
-                if end == len(ops) or ops[end].compilable != ops[start].compilable:
+                if end == len(ops) or compiles[end] != compiles[start]:
                     last = end == len(ops)
                     compiled = None
-                    if ops[start].compilable:
-                        compiled = CompiledOps(ops_runner(ops[start:end], self._finish if last else None))
+                    if compiles[start]:
+                        finish = self._finish if device.type != "cpu" else self._cast
+                        compiled = CompiledOps(ops_runner(ops[start:end], finish if last else None))
                     segments.append((start, end, compiled))
                     start = end
-            self._segments = segments
-        return self._segments
+            self._segments[device.type] = segments
+        return self._segments[device.type]
 
     # ------------------------------------------------------------------------------------------- running
     def _run_compiled(self, x: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None,
@@ -199,9 +206,16 @@ class Pipeline:
     def _run_segments(self, ops: list[BatchOp], x: Tensor, prepared: list[Params], index: Tensor | None,
                       targets: Tensor | None, ragged: bool, out: Tensor | None = None
                       ) -> tuple[Tensor, Tensor | None]:
-        for start, end, compiled in self._compiled_segments():
+        for start, end, compiled in self._compiled_segments(x.device):
             last = end == len(ops)
-            if compiled is not None:
+            if compiled is not None and x.device.type == "cpu":
+                # On the CPU the graph ends in the output dtype but keeps its own layout: ATen's eager copy
+                # to channels_last is 4x cheaper than Inductor's scalar stores for it (a no-op when the
+                # graph's output is channels_last already, as a crop's gather is).
+                x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0, None)
+                if last:
+                    x, _ = ops_runner([], self._finish)(x, [], None, None, out)
+            elif compiled is not None:
                 x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0,
                                       out if last else None)
             else:
@@ -235,8 +249,10 @@ class Pipeline:
     def _empty_output(self, n: int, source: Tensor) -> Tensor:
         height, width = self._output_size(source)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        return torch.empty((n, source.shape[1], int(height), int(width)), dtype=self.dtype, device=source.device,
-                           memory_format=fmt)
+        shape = (n, source.shape[1], int(height), int(width))
+        if source.device.type == "cpu":
+            return self._outputs.take(shape, self.dtype, fmt)
+        return torch.empty(shape, dtype=self.dtype, device=source.device, memory_format=fmt)
 
     def _run_chunked(self, ops: list[BatchOp], source: Tensor, prepared: list[Params], chunk: int,
                      index: Tensor | None, out: Tensor) -> None:
