@@ -2,7 +2,8 @@
 
 The ops draw parameters and build per-sample index tables; the pixels are moved by
 :mod:`vision.data.functional.geometry` (one gather per batch).  Integer crops keep the input dtype (uint8);
-resizing ops return float32 in 0..255 units.
+resizing ops return float32 in 0..255 units, except on the CPU for uint8 images and whole-pixel boxes
+(random resized crops, resizes), where they return uint8 rounded like OpenCV's (see ``resize_boxes``).
 """
 
 from __future__ import annotations

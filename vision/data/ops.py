@@ -26,6 +26,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from vision.data.functional.pool import cpu_pool
+
 Params = dict[str, Tensor]
 #: Params key of a horizontal flip folded into the op before it.
 FLIP_AFTER = "flip_after"
@@ -56,9 +58,20 @@ class RaggedBatch:
         # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy, and
         # the CPU resize (functional.geometry.resize_boxes) reads channels_last.
         canvas = torch.empty((len(images), channels.pop(), int(heights.max()), int(widths.max())),
-                             dtype=images[0].dtype, device=device, memory_format=torch.channels_last).zero_()
-        for i, im in enumerate(images):
-            canvas[i, :, : im.shape[-2], : im.shape[-1]].copy_(im, non_blocking=True)
+                             dtype=images[0].dtype, device=device, memory_format=torch.channels_last)
+
+        def place(rows: range) -> None:
+            for i in rows:
+                h, w = int(images[i].shape[-2]), int(images[i].shape[-1])
+                canvas[i, :, :h, :w].copy_(images[i], non_blocking=True)
+                canvas[i, :, h:].zero_()
+                canvas[i, :, :h, w:].zero_()
+
+        threads = min(torch.get_num_threads(), len(images)) if device.type == "cpu" else 1
+        if threads > 1:  # single-threaded workers: see functional.pool
+            list(cpu_pool(threads).map(place, [range(k, len(images), threads) for k in range(threads)]))
+        else:
+            place(range(len(images)))
         return cls(canvas, heights, widths)
 
     def __len__(self) -> int:
