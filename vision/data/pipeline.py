@@ -9,15 +9,16 @@ the eager ops with one warning.  Both paths give the same images: bitwise for in
 grayscale on uint8, erasing), within float rounding (a few 1e-4 of a level) for arithmetic.
 
 Images flow through the ops as ``(N, C, H, W)`` tensors: uint8 while only indexing ops (crop, flip)
-touch them (and, on the CPU, after a resize of whole-pixel boxes), float32 in 0..255 units after the first arithmetic op, and in normalized units after
-:class:`~vision.data.color.Normalize`.  Batches whose images have different sizes enter as a
-:class:`RaggedBatch`; the first op must then be a resizing op that brings them to one size.
+touch them (and, on the CPU, after a resize of whole-pixel boxes), float32 in 0..255 units after the first
+arithmetic op, and in normalized units after :class:`~vision.data.color.Normalize`.  Batches whose images
+have different sizes enter as a :class:`RaggedBatch`; the first op must then be a resizing op that brings
+them to one size.
 
-Run eagerly on CPU, a batch runs in slices on single-threaded workers (see :meth:`Pipeline._run_chunked`);
-compiled, the kernels split the batch across the threads themselves.  On the CPU, ops whose eager kernel beats Inductor's
-code say so (``compiles_on``: the uint8 resize) and run between the compiled runs; the last graph leaves the
-channels_last copy to ATen, and the outputs of large images reuse the memory of batches the caller dropped
-(:mod:`vision.data.buffers`).
+On the CPU, batches of large images run in slices of a few samples on single-threaded workers (see
+:meth:`Pipeline._map_rows`), eager or compiled; small images run compiled as one call, the kernels splitting
+the batch across the threads.  Ops whose eager kernel beats Inductor's code there say so (``compiles_on``:
+the uint8 resize) and run between the compiled runs; the last graph leaves the channels_last copy to ATen,
+and the outputs of large images reuse the memory of batches the caller dropped (:mod:`vision.data.buffers`).
 """
 
 from __future__ import annotations
