@@ -183,7 +183,7 @@ def test_encoded_loader_decodes_each_batch_like_decoding_up_front(tmp_path):
     for b, (x, y) in zip(loader.epoch_batches(0), loader):
         for i, img in zip(b.tolist(), x):
             ref = tio.decode_image(enc.sources[i], mode=tio.ImageReadMode.RGB)
-            ref = Resize(16).apply(ref[None], Resize(16).sample(1, ref.shape[1], ref.shape[2], None))[0]
+            ref = Resize(16).apply(ref[None], Resize(16).sample(1, ref.shape[1], ref.shape[2], None))[0].float()
             torch.testing.assert_close(img, ref, atol=1e-3, rtol=0)  # canvas size changes float rounding
         assert torch.equal(y, enc.targets[b])
         seen += b.tolist()

@@ -2,7 +2,8 @@
 
 The ops draw parameters and build per-sample index tables; the pixels are moved by
 :mod:`vision.data.functional.geometry` (one gather per batch).  Integer crops keep the input dtype (uint8);
-resizing ops return float32 in 0..255 units.
+resizing ops return float32 in 0..255 units, except on the CPU for uint8 images and whole-pixel boxes
+(random resized crops, resizes), where they return uint8 rounded like OpenCV's (see ``resize_boxes``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from vision.data.functional.geometry import (
     BORDER_MODES, crop_tables, gather_crop, random_crop_params, random_resized_crop_params, resample,
-    resample_tables,
+    resample_tables, resize_boxes, whole_pixel_boxes,
 )
 from vision.data.ops import FLIP_AFTER, BatchOp, Params, RaggedBatch, bernoulli, check_p
 
@@ -334,8 +335,16 @@ class _Resample(BatchOp):
                                  None if flip is None else flip.cpu())
         return {**params, **tables}
 
+    def compiles_on(self, device: torch.device) -> bool:
+        # On the CPU the eager uint8 resize of whole-pixel boxes (ATen's vectorized kernel, see
+        # functional.geometry.resize_boxes) beats Inductor's gather; elsewhere the compiled path wins.
+        return device.type != "cpu"
+
     def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
         canvas = images.canvas if isinstance(images, RaggedBatch) else images
+        if whole_pixel_boxes(canvas, params):
+            return resize_boxes(canvas, params["top"], params["left"], params["height"], params["width"], self.size,
+                                _flip(params))
         if "y0" not in params:  # called directly, not by a Pipeline
             params = self.prepare(params, _shape_of(canvas))
         taps = {k: params[k].to(canvas.device) for k in ("y0", "y1", "wy", "x0", "x1", "wx")}

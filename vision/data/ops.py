@@ -14,7 +14,8 @@ What an op can fuse is declared on the op, never inferred from its type by the p
   with :meth:`BatchOp.fold_as`; the op before it lists the keys it can take in ``folds``.
 - ``fuses_gather``: the first op of a pipeline may pick the batch out of a larger store itself
   (``apply(store, params, index=...)``).
-- ``compilable``: the op's ``apply`` can be traced into one graph with its neighbours.
+- ``compilable``: the op's ``apply`` can be traced into one graph with its neighbours; ``compiles_on(device)``
+  says whether it should be on that device (an op with a faster eager kernel there says no).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+
+from vision.data.functional.pool import cpu_pool
 
 Params = dict[str, Tensor]
 #: Params key of a horizontal flip folded into the op before it.
@@ -52,11 +55,23 @@ class RaggedBatch:
         heights = torch.tensor([int(im.shape[-2]) for im in images], dtype=torch.int64)
         widths = torch.tensor([int(im.shape[-1]) for im in images], dtype=torch.int64)
         device = torch.device(device) if device is not None else images[0].device
-        canvas = torch.zeros(
-            (len(images), channels.pop(), int(heights.max()), int(widths.max())), dtype=images[0].dtype, device=device
-        )
-        for i, im in enumerate(images):
-            canvas[i, :, : im.shape[-2], : im.shape[-1]].copy_(im, non_blocking=True)
+        # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy, and
+        # the CPU resize (functional.geometry.resize_boxes) reads channels_last.
+        canvas = torch.empty((len(images), channels.pop(), int(heights.max()), int(widths.max())),
+                             dtype=images[0].dtype, device=device, memory_format=torch.channels_last)
+
+        def place(rows: range) -> None:
+            for i in rows:
+                h, w = int(images[i].shape[-2]), int(images[i].shape[-1])
+                canvas[i, :, :h, :w].copy_(images[i], non_blocking=True)
+                canvas[i, :, h:].zero_()
+                canvas[i, :, :h, w:].zero_()
+
+        threads = min(torch.get_num_threads(), len(images)) if device.type == "cpu" else 1
+        if threads > 1:  # single-threaded workers: see functional.pool
+            list(cpu_pool(threads).map(place, [range(k, len(images), threads) for k in range(threads)]))
+        else:
+            place(range(len(images)))
         return cls(canvas, heights, widths)
 
     def __len__(self) -> int:
@@ -101,6 +116,10 @@ class BatchOp:
 
     def apply(self, images: Any, params: Params) -> Tensor:
         raise NotImplementedError
+
+    def compiles_on(self, device: torch.device) -> bool:
+        """Whether the pipeline compiles this op's ``apply`` for images on ``device`` (default: ``compilable``)."""
+        return self.compilable
 
     def apply_targets(self, targets: Tensor, params: Params) -> Tensor:
         return targets

@@ -9,26 +9,31 @@ the eager ops with one warning.  Both paths give the same images: bitwise for in
 grayscale on uint8, erasing), within float rounding (a few 1e-4 of a level) for arithmetic.
 
 Images flow through the ops as ``(N, C, H, W)`` tensors: uint8 while only indexing ops (crop, flip)
-touch them, float32 in 0..255 units after the first arithmetic op, and in normalized units after
-:class:`~vision.data.color.Normalize`.  Batches whose images have different sizes enter as a
-:class:`RaggedBatch`; the first op must then be a resizing op that brings them to one size.
+touch them (and, on the CPU, after a resize of whole-pixel boxes), float32 in 0..255 units after the first
+arithmetic op, and in normalized units after :class:`~vision.data.color.Normalize`.  Batches whose images
+have different sizes enter as a :class:`RaggedBatch`; the first op must then be a resizing op that brings
+them to one size.
 
-Run eagerly on CPU, a batch runs in slices on single-threaded workers (see :meth:`Pipeline._run_chunked`);
-compiled, the kernels split the batch across the threads themselves.
+On the CPU, batches of large images run in slices of a few samples on single-threaded workers (see
+:meth:`Pipeline._map_rows`), eager or compiled; small images run compiled as one call, the kernels splitting
+the batch across the threads.  Ops whose eager kernel beats Inductor's code there say so (``compiles_on``:
+the uint8 resize) and run between the compiled runs; the last graph leaves the channels_last copy to ATen,
+and the outputs of large images reuse the memory of batches the caller dropped (:mod:`vision.data.buffers`).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
+from vision.data.buffers import OutputBuffers
 from vision.data.color import Normalize
 from vision.data.compiled import CompiledOps, ops_runner
+from vision.data.functional.pool import cpu_pool
 from vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
 __all__ = ["BatchOp", "Params", "Pipeline", "RaggedBatch", "check_image_batch"]
@@ -64,8 +69,10 @@ class Pipeline:
         self.channels_last = channels_last
         self.compile = compile
         self._steps = _fold_steps(ops)
-        self._segments: list[tuple[int, int, CompiledOps | None]] | None = None
+        self._segments: dict[str, list[tuple[int, int, CompiledOps | None]]] = {}
         self._compile_failed = False
+        self._outputs = OutputBuffers()
+        self._compiled_on_workers = False
 
     @property
     def mixes_targets(self) -> bool:
@@ -166,24 +173,29 @@ class Pipeline:
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return x.to(self.dtype).contiguous(memory_format=fmt)
 
+    def _cast(self, x: Tensor) -> Tensor:
+        return x.to(self.dtype)
+
     def _step_ops(self) -> list[BatchOp]:
         return [self.ops[step[0]] for step in self._steps]
 
-    def _compiled_segments(self) -> list[tuple[int, int, CompiledOps | None]]:
-        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops that cannot be traced."""
-        if self._segments is None:
+    def _compiled_segments(self, device: torch.device) -> list[tuple[int, int, CompiledOps | None]]:
+        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops not compiled on ``device``."""
+        if device.type not in self._segments:
             ops = self._step_ops()
+            compiles = [op.compiles_on(device) for op in ops]
             segments, start = [], 0
             for end in range(1, len(ops) + 1):
-                if end == len(ops) or ops[end].compilable != ops[start].compilable:
+                if end == len(ops) or compiles[end] != compiles[start]:
                     last = end == len(ops)
                     compiled = None
-                    if ops[start].compilable:
-                        compiled = CompiledOps(ops_runner(ops[start:end], self._finish if last else None))
+                    if compiles[start]:
+                        finish = self._finish if device.type != "cpu" else self._cast
+                        compiled = CompiledOps(ops_runner(ops[start:end], finish if last else None))
                     segments.append((start, end, compiled))
                     start = end
-            self._segments = segments
-        return self._segments
+            self._segments[device.type] = segments
+        return self._segments[device.type]
 
     # ------------------------------------------------------------------------------------------- running
     def _run_compiled(self, x: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None,
@@ -192,26 +204,36 @@ class Pipeline:
         if not ops:
             return self._finish(x), targets
         n = index.shape[0] if index is not None else x.shape[0]
-        chunk = 4 * torch.get_num_threads()
-        if (x.device.type == "cpu" and not self.mixes_targets and n > chunk
+        if (x.device.type == "cpu" and not self.mixes_targets and n > _LARGE_CHUNK
                 and self._output_pixels(x) >= _LARGE_OUTPUT):
-            # Large images: a few per call and thread, so that the kernels' intermediate planes stay in
-            # each core's cache (the whole batch's would go through memory: twice as slow on a 2-core CPU).
+            # Large images: a few per call, so that the kernels' intermediate planes stay in the core's cache
+            # (the whole batch's would go through memory: twice as slow on a 2-core CPU), on single-threaded
+            # workers like the eager path (see _map_rows).
             out = self._empty_output(n, x)
-            for s in range(0, n, chunk):
-                rows = slice(s, s + chunk)
+
+            def run_rows(rows: slice) -> None:
                 part = [{k: v[rows] for k, v in p.items()} for p in prepared]
                 sub = (x, index[rows]) if index is not None else (x[rows], None)
                 self._run_segments(ops, sub[0], part, sub[1], None, ragged, out[rows])
+
+            self._map_rows(n, _LARGE_CHUNK, run_rows, first_alone=not self._compiled_on_workers)
+            self._compiled_on_workers = True
             return out, targets
         return self._run_segments(ops, x, prepared, index, targets, ragged)
 
     def _run_segments(self, ops: list[BatchOp], x: Tensor, prepared: list[Params], index: Tensor | None,
                       targets: Tensor | None, ragged: bool, out: Tensor | None = None
                       ) -> tuple[Tensor, Tensor | None]:
-        for start, end, compiled in self._compiled_segments():
+        for start, end, compiled in self._compiled_segments(x.device):
             last = end == len(ops)
-            if compiled is not None:
+            if compiled is not None and x.device.type == "cpu":
+                # On the CPU the graph ends in the output dtype but keeps its own layout: ATen's eager copy
+                # to channels_last is 4x cheaper than Inductor's scalar stores for it (a no-op when the
+                # graph's output is channels_last already, as a crop's gather is).
+                x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0, None)
+                if last:
+                    x, _ = ops_runner([], self._finish)(x, [], None, None, out)
+            elif compiled is not None:
                 x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0,
                                       out if last else None)
             else:
@@ -245,40 +267,50 @@ class Pipeline:
     def _empty_output(self, n: int, source: Tensor) -> Tensor:
         height, width = self._output_size(source)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        return torch.empty((n, source.shape[1], int(height), int(width)), dtype=self.dtype, device=source.device,
-                           memory_format=fmt)
+        shape = (n, source.shape[1], int(height), int(width))
+        if source.device.type == "cpu":
+            return self._outputs.take(shape, self.dtype, fmt)
+        return torch.empty(shape, dtype=self.dtype, device=source.device, memory_format=fmt)
 
     def _run_chunked(self, ops: list[BatchOp], source: Tensor, prepared: list[Params], chunk: int,
                      index: Tensor | None, out: Tensor) -> None:
-        """Eagerly on CPU: run the ops on slices of the batch, in parallel on single-threaded workers.
+        """Eagerly on CPU: run the ops on slices of the batch (see :meth:`_map_rows`)."""
 
-        Same result as the whole batch (every op is per sample).  Workers with one thread each, rather than
-        multi-threaded ops, keep going when another process takes a core (no barrier after every op), like
-        the worker processes of a DataLoader.
-        """
-        starts = list(range(0, out.shape[0], chunk))
-
-        def run_into(s: int) -> None:
-            rows = slice(s, s + chunk)
+        def run_rows(rows: slice) -> None:
             x = source if index is not None else source[rows]
             part = [{k: v[rows] for k, v in p.items()} for p in prepared]
             y, _ = ops_runner(ops, None)(x, part, index[rows] if index is not None else None, None)
             out[rows].copy_(y)
 
+        self._map_rows(out.shape[0], chunk, run_rows)
+
+    @staticmethod
+    def _map_rows(n: int, chunk: int, run_rows: Callable[[slice], None], first_alone: bool = False) -> None:
+        """Run ``run_rows`` on slices of ``chunk`` samples, in parallel on single-threaded workers.
+
+        Same result as the whole batch (every op is per sample).  Workers with one thread each, rather than
+        multi-threaded ops, keep going when another process takes a core (no barrier after every op), like
+        the worker processes of a DataLoader.  ``first_alone`` runs the first slice before the others start
+        (it compiles the graph: once, on one worker).
+        """
+        slices = [slice(s, s + chunk) for s in range(0, n, chunk)]
         threads = torch.get_num_threads()
-        if threads > 1 and len(starts) > 1:
-            # Worker threads do not inherit the caller's inference/grad mode: without this, Lightning's
-            # evaluation (inference mode) fails copying into `out`, an inference tensor.
-            inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+        if threads <= 1 or len(slices) <= 1:
+            for rows in slices:
+                run_rows(rows)
+            return
+        # Worker threads do not inherit the caller's inference/grad mode: without this, Lightning's
+        # evaluation (inference mode) fails copying into `out`, an inference tensor.
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
-            def run_in_mode(s: int) -> None:
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    run_into(s)
+        def run_in_mode(rows: slice) -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                run_rows(rows)
 
-            list(_cpu_pool(threads).map(run_in_mode, starts))
-        else:
-            for s in starts:
-                run_into(s)
+        pool = cpu_pool(threads)
+        if first_alone:
+            pool.submit(run_in_mode, slices.pop(0)).result()
+        list(pool.map(run_in_mode, slices))
 
     def __repr__(self) -> str:
         inner = "".join(f"\n  {op!r}," for op in self.ops)
@@ -306,7 +338,8 @@ def _fold_steps(ops: list[BatchOp]) -> list[list[int]]:
 #: Output pixels per sample above which CPU chunks hold a few samples (their float intermediates then stay
 #: in the per-core cache: 4 x 224^2 x 3 float32 ~ 2.4 MB); below it the batch is split across the threads.
 _LARGE_OUTPUT = 96 * 96
-_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+#: Samples per compiled call on a CPU worker for large outputs.
+_LARGE_CHUNK = 4
 
 
 def _cpu_chunk_size(n: int, out_pixels: int) -> int:
@@ -316,9 +349,3 @@ def _cpu_chunk_size(n: int, out_pixels: int) -> int:
     return max(1, -(-n // (4 * threads)))
 
 
-def _cpu_pool(threads: int) -> ThreadPoolExecutor:
-    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per thread)."""
-    key = (os.getpid(), threads)  # a forked child (DataLoader worker) must not reuse the parent's dead threads
-    if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(threads, "vision-data", initializer=torch.set_num_threads, initargs=(1,))
-    return _POOLS[key]

@@ -163,7 +163,7 @@ def _run_steps(planes: list[Tensor], t: dict[str, Tensor], mean: Tensor | None, 
     """
     n = planes[0].shape[0]
     col = lambda key, j: t[key][:, j].view(n, 1, 1)  # noqa: E731  (one sample's coefficient, broadcast)
-    seen = torch.zeros((), device=planes[0].device)
+    seen = torch.zeros((), device=planes[0].device)  # per pixel: the gray level at the contrast slot
     for j in range(2 * BLEND_STEPS):
         if j == BLEND_STEPS and len(planes) == 3 and with_hue:
             shifted = hue_planes(*planes, t["hue"].view(n, 1, 1))
@@ -171,12 +171,13 @@ def _run_steps(planes: list[Tensor], t: dict[str, Tensor], mean: Tensor | None, 
             planes = [torch.where(on, new, old) for new, old in zip(shifted, planes)]
         gray = gray_plane(*planes) if len(planes) == 3 else planes[0]
         if mean is None:
-            seen = seen + (gray * col("contrast_slot", j)).sum(dim=(1, 2))
+            seen = seen + gray * col("contrast_slot", j)
             bias = col("s", j) * gray
         else:
             bias = col("s", j) * gray + col("m", j) * mean.view(n, 1, 1)
         planes = [(col("f", j) * p + bias).clamp(0.0, 255.0) for p in planes]
-    return planes, seen
+    # One sum over the pixels, not one per slot: a single reduction loop once compiled.
+    return planes, seen.sum(dim=(1, 2)) if mean is None else seen
 
 
 def jitter_planes(planes: Sequence[Tensor], tables: dict[str, Tensor], with_hue: bool = True) -> list[Tensor]:

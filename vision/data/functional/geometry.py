@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vision.data.functional._triton import use_resample_kernel
+from vision.data.functional.pool import cpu_pool
 
 BORDER_MODES = ("constant", "reflect", "symmetric", "edge")
 
@@ -174,6 +175,50 @@ def gather_resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
     upper = a + (b - a) * wx
     lower = d + (e - d) * wx
     return upper + (lower - upper) * wy
+
+
+def resize_boxes(images: Tensor, top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int],
+                 flip: Tensor | None = None) -> Tensor:
+    """Bilinear resize of each integer box to ``size``, uint8 in and out: ``(N, C, h, w)`` contiguous.
+
+    The CPU path of :func:`resample` for whole-pixel boxes (random resized crops, resizes): one call per image
+    of ATen's uint8 bilinear kernel, which is vectorized fixed-point arithmetic on channels_last RGB like
+    OpenCV's ``INTER_LINEAR`` (what albumentations runs), about 6x faster on the CPU than the gather Inductor
+    compiles from :func:`gather_resample` (byte loads one at a time).  Same sampling positions as
+    :func:`resample_tables` (half-pixel centres, the box's border replicated).  The kernel is separable and
+    rounds to integers after each pass, so it is within 1 level of the float resampler and of OpenCV (tests
+    check both).  ``flip`` (N,) bool mirrors the chosen outputs.  The output is planar (NCHW):
+    the compiled colour ops after it vectorize over planes, and read interleaved pixels 3x slower.
+    """
+    if images.dtype != torch.uint8 or images.device.type != "cpu":
+        raise ValueError(f"resize_boxes: expects uint8 images on the CPU, got {images.dtype} on {images.device}")
+    n, c = images.shape[0], images.shape[1]
+    out = torch.empty((n, c, *size), dtype=torch.uint8)
+    src = images.contiguous(memory_format=torch.channels_last)  # a no-op for decoded batches (see RaggedBatch)
+    mirror = [False] * n if flip is None else flip.tolist()
+    boxes = list(zip(top.tolist(), left.tolist(), height.tolist(), width.tolist()))
+
+    def resize(rows: range) -> None:
+        one = torch.empty((1, c, *size), dtype=torch.uint8, memory_format=torch.channels_last)
+        for i in rows:
+            t, l, h, w = (int(v) for v in boxes[i])
+            box = src[i: i + 1, :, t: t + h, l: l + w]
+            torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)
+            out[i: i + 1].copy_(one.flip(-1) if mirror[i] else one)
+
+    # Images split across single-threaded workers (see functional.pool): one small ATen call per image.
+    threads = min(torch.get_num_threads(), n)
+    if threads > 1:
+        list(cpu_pool(threads).map(resize, [range(k, n, threads) for k in range(threads)]))
+    else:
+        resize(range(n))
+    return out
+
+
+def whole_pixel_boxes(images: Tensor, params: dict[str, Tensor]) -> bool:
+    """True when :func:`resize_boxes` applies: uint8 images on the CPU, integer boxes, not being compiled."""
+    return (images.dtype == torch.uint8 and images.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not params["top"].dtype.is_floating_point and not params["height"].dtype.is_floating_point)
 
 
 def _grid_sample(images: Tensor, ys: Tensor, xs: Tensor) -> Tensor:

@@ -1,0 +1,102 @@
+"""The CPU fast paths of the pipeline: the uint8 resize of whole-pixel boxes (against OpenCV, what
+albumentations runs, and against our float resampler, the compiled/GPU path), compiled-vs-eager parity with it,
+and the recycled output buffers (a batch the caller holds is never overwritten)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+cv2 = pytest.importorskip("cv2")
+
+from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RaggedBatch, RandomResizedCrop
+from vision.data.functional.geometry import gather_resample, resample_tables, resize_boxes
+
+
+def _ragged(real_images: torch.Tensor, sizes: list[tuple[int, int]]) -> RaggedBatch:
+    """Real images upscaled (cv2, bicubic) to odd, different sizes."""
+    imgs = []
+    for im, (h, w) in zip(real_images, sizes):
+        big = cv2.resize(im.permute(1, 2, 0).numpy(), (w, h), interpolation=cv2.INTER_CUBIC)
+        imgs.append(torch.from_numpy(big).permute(2, 0, 1))
+    return RaggedBatch.from_images(imgs)
+
+
+@pytest.mark.parametrize("n, out_size", [(1, (23, 37)), (5, (64, 64)), (3, (7, 5))])
+def test_uint8_box_resize_matches_opencv_and_the_float_resampler(real_images, n, out_size):
+    batch = _ragged(real_images, [(45, 61), (33, 33), (70, 41), (39, 52), (64, 47)][:n])
+    params = RandomResizedCrop(out_size, scale=(0.1, 1.0)).sample(n, batch.heights, batch.widths,
+                                                                  torch.Generator().manual_seed(n))
+    flip = torch.arange(n) % 2 == 0
+    ours = resize_boxes(batch.canvas, params["top"], params["left"], params["height"], params["width"], out_size,
+                        flip)
+    assert ours.dtype == torch.uint8 and ours.shape == (n, 3, *out_size)
+    taps = resample_tables(params["top"], params["left"], params["height"], params["width"], out_size,
+                           tuple(batch.canvas.shape[-2:]), flip)
+    exact = gather_resample(batch.canvas, taps)  # float32, no rounding: the compiled and CUDA path
+    # ATen's uint8 kernel is separable and rounds to an integer after each pass: at most 0.5 + 0.5 levels.
+    assert (ours.float() - exact).abs().max() <= 1.0
+    for i in range(n):
+        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        crop = batch.canvas[i, :, t: t + h, l: l + w].permute(1, 2, 0).contiguous().numpy()
+        ref = cv2.resize(crop, out_size[::-1], interpolation=cv2.INTER_LINEAR)
+        ref = ref[:, ::-1] if flip[i] else ref
+        diff = np.abs(ours[i].permute(1, 2, 0).numpy().astype(int) - ref.astype(int))
+        assert diff.max() <= 1, f"sample {i}: {diff.max()} levels from cv2.resize (both round fixed-point sums)"
+
+
+def test_uint8_box_resize_rejects_what_it_cannot_do():
+    box = torch.zeros(1, dtype=torch.int64), torch.full((1,), 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="resize_boxes: expects uint8 images"):
+        resize_boxes(torch.zeros(1, 3, 4, 4), box[0], box[0], box[1], box[1], (2, 2))
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_compiled_cpu_pipeline_with_the_eager_resize_gives_the_eager_images(real_images, n):
+    batch = _ragged(real_images, [(45, 61), (33, 33), (70, 41), (39, 52), (64, 47), (31, 99)][:n])
+    ops = [RandomResizedCrop((41, 29)), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()]
+    compiled = Pipeline(ops)
+    out, _ = compiled(batch, generator=torch.Generator().manual_seed(7))
+    ref, _ = Pipeline(ops, compile=False)(batch, generator=torch.Generator().manual_seed(7))
+    assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == (n, 3, 41, 29)
+    # The resize is the same eager uint8 kernel on both paths; the jitter differs by float rounding only.
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    first, _, runner = compiled._compiled_segments(torch.device("cpu"))[0]
+    assert first == 0 and runner is None  # the resize is not compiled on the CPU
+
+
+def test_output_buffers_are_reused_only_once_the_caller_drops_the_batch(real_images):
+    x = torch.nn.functional.interpolate(real_images[:9].float(), size=100).round().byte()
+    pipe = Pipeline([RandomResizedCrop(100), Normalize()], compile=False)  # 100 x 100: a chunked CPU output
+
+    def run(seed: int) -> torch.Tensor:
+        return pipe(x, generator=torch.Generator().manual_seed(seed))[0]
+
+    a = run(0)
+    a_before = a.clone()
+    b = run(1)
+    view = b[3]  # only a view of the second batch is held from here on
+    view_before = view.clone()
+    del b
+    c = run(2)
+    assert torch.equal(a, a_before) and torch.equal(view, view_before), "a batch the caller holds was overwritten"
+    assert c.data_ptr() != a.data_ptr()
+    del a, c, view
+    d = run(3)
+    torch.testing.assert_close(d, Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(3))[0])
+
+
+def test_a_dropped_batch_memory_is_reused_without_page_faults(real_images):
+    """A fresh 38 MB output comes from mmap and faults in every page (a third of the augmentation's CPU time on
+    224 px images); reusing a dropped batch's buffer faults in none."""
+    resource = pytest.importorskip("resource")
+    pipe = Pipeline([RandomResizedCrop(224), Normalize()], compile=False)
+    x = real_images[:64]
+    pages = 64 * 3 * 224 * 224 * 4 // 4096
+    for seed in range(2):
+        pipe(x, generator=torch.Generator().manual_seed(seed))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    pipe(x, generator=torch.Generator().manual_seed(2))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < pages // 4, f"{faults} page faults for an output of {pages} pages"
