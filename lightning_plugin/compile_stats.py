@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters, get_compilation_metrics
 
+from lightning_plugin import cpu_inductor
+
 
 @dataclass
 class GraphRecord:
@@ -256,10 +258,15 @@ def _break_reason(gm: torch.fx.GraphModule) -> str | None:
 
 
 def make_backend(backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None,
-                 dynamic: bool | None, stats: CompileStats) -> CountingBackend:
-    """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting."""
-    if backend == "inductor":
-        inner: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+                 dynamic: bool | None, stats: CompileStats, device: torch.device | None = None) -> CountingBackend:
+    """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting.
+
+    Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`.
+    """
+    if cpu_inductor.applies(backend, mode, options, device):
+        inner: Callable[..., Any] = cpu_inductor.CpuInductorBackend(dynamic)
+    elif backend == "inductor":
+        inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:
         inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
     return CountingBackend(inner, stats)
