@@ -263,10 +263,9 @@ def make_backend(backend: str | Callable[..., Any], mode: str | None, options: d
 
     Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`.
     """
-    if cpu_inductor.applies(backend, mode, options, device):
-        inner: Callable[..., Any] = cpu_inductor.CpuInductorBackend(dynamic)
-    elif backend == "inductor":
-        inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    options = cpu_inductor.training_options(backend, mode, options, device) or options
+    if backend == "inductor":
+        inner: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:
         inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
     return CountingBackend(inner, stats)
