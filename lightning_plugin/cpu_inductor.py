@@ -9,8 +9,8 @@ convolutions got slower in that layout (``mkldnn_convolution`` 48 ms/step agains
 the conversions cost another ~12 ms/step of ``aten::copy_``, and every conv-weight gradient came
 back channels_last, so ``AccumulateGrad`` copied each one (``aten::_to_copy``, 7 ms/step). With the
 layout left alone the step went from 0.82x/0.80x to 1.11x/1.06x eager (two runs, 2 torch threads, quiet
-machine) and from 0.78x to 1.07x (1 thread, machine shared). A model the user made channels_last stays channels_last:
-this only stops Inductor from choosing the layout itself.
+machine) and from 0.78x to 1.07x (1 thread, machine shared). A model the user made channels_last
+stays channels_last: this only stops Inductor from choosing the layout itself.
 
 Tried and left out: keeping batch norm in ATen (its decompositions removed, so Inductor calls
 ``native_batch_norm``/``native_batch_norm_backward`` as fallbacks). It matched eager in float64 but
