@@ -117,10 +117,10 @@ def steps(data_zip: str | None = None) -> list[Step]:
              ["benchmarks/cifar10_accuracy.py", "--zip", data_zip, "--epochs", "1", "--widths", "8", "16", "16",
               "--batch-size", "16"],
              needs_file=data_zip),
-        Step("strategy_overhead", ["benchmarks/strategy_overhead.py", "--batch", "256", "--channels", "64",
+        Step("strategy_overhead", ["benchmarks/strategy_overhead.py", "--workloads", "small_cnn,resnet18,vit_tiny",
                                    "--repeats", "3"], 40,
-             ["benchmarks/strategy_overhead.py", "--compile-backend", "eager", "--no-first-step", "--batch", "4",
-              "--channels", "4", "--steps", "4", "--warmup", "2", "--repeats", "1"]),
+             ["benchmarks/strategy_overhead.py", "--compile-backend", "eager", "--no-compile-time", "--workloads",
+              "small_cnn", "--steps", "4", "--warmup", "2", "--repeats", "1"]),
         Step("airbench_reference", ["benchmarks/airbench_reference.py", "--zip", data_zip], 40, None,
              needs_module="airbench", needs_file=data_zip,
              dry_run_skip="not in the dry run (airbench's full-width net needs >= 1,024 images); "

@@ -1,12 +1,20 @@
-"""Eager vs ``strategy="compiled"`` on a small CNN: steady-state step time and compile time.
+"""Eager vs ``strategy="compiled"`` training, per workload: steady-state speed and compile time.
 
-Steady state: both sides train the same model on the same data in this process, under
-Lightning, and the median step time after warm-up is compared. Compile time: the first
-training step in a fresh process, with an empty Inductor cache (cold) and then with the
-cache that run left behind (warm).
+Steady state: every side (``eager`` = Lightning's default strategy, ``compiled`` = the compiled
+strategy as users get it, ``untuned`` = the compiled strategy with stock Inductor settings, i.e.
+without :mod:`lightning_plugin.cpu_inductor`) trains the same workload in this process, one fit
+after another in turn, ``--repeats`` times; each fit's first ``--warmup`` steps are not timed and
+the median step time of the rest is kept, then the median over repeats. ``digits-small`` trains the
+recipe's own module and data (``vision.recipes.build``) for ``--epochs`` epochs and counts images
+per second after the first epoch, as ``lcv fit --recipe digits-small`` would.
 
-    python benchmarks/strategy_overhead.py              # defaults: batch 64, 32x32, 60 steps, 3 repeats
-    python benchmarks/strategy_overhead.py --steps 200 --channels 64
+Compile time: the first compiled training step in a fresh process with an empty Inductor cache
+(``TORCHINDUCTOR_CACHE_DIR`` a new temporary folder: cold), then in a second process with the cache
+the first left behind (warm).
+
+    python benchmarks/strategy_overhead.py                               # all workloads (~10 min on 2 cores)
+    python benchmarks/strategy_overhead.py --workloads resnet18,vit_tiny --sides eager,compiled,untuned
+    python benchmarks/strategy_overhead.py --no-compile-time --repeats 5
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import lightning as L
 import torch
@@ -26,7 +37,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ResultStream, median, print_table, write_results  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
 
 import lightning_plugin  # noqa: E402
 
@@ -47,9 +59,11 @@ class SmallCNN(nn.Module):
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, channels: int) -> None:
+    """Cross-entropy and SGD with momentum around any image classifier."""
+
+    def __init__(self, net: nn.Module) -> None:
         super().__init__()
-        self.net = SmallCNN(channels)
+        self.net = net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -61,14 +75,69 @@ class Classifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-class StepTimer(L.Callback):
-    """Wall time of each training step (the clock is read after a device sync)."""
+@dataclass(frozen=True)
+class Workload:
+    """A model and its synthetic data: ``batch`` images of ``size`` px per training step."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: int
+    size: int
+
+
+def _torchvision(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(num_classes=10)
+
+    return build
+
+
+def _vit_tiny() -> nn.Module:
+    from vision.models import create_model
+
+    return create_model("vit_tiny_patch4_32", num_classes=10)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("small_cnn", lambda: SmallCNN(32), batch=64, size=32),
+        Workload("resnet18", _torchvision("resnet18"), batch=32, size=64),
+        Workload("mobilenet_v3_small", _torchvision("mobilenet_v3_small"), batch=32, size=64),
+        Workload("vit_tiny", _vit_tiny, batch=32, size=32),
+    )
+}
+RECIPE_WORKLOAD = "digits-small"
+ALL_WORKLOADS = (*WORKLOADS, RECIPE_WORKLOAD)
+SIDES = ("eager", "compiled", "untuned")
+
+
+#: Where ``--compile-backend`` is kept, so that the fresh processes timing the first step inherit it.
+BACKEND_ENV = "LCV_BENCH_COMPILE_BACKEND"
+
+
+def strategy_for(side: str) -> Any:
+    if side == "eager":
+        return "auto"
+    backend = os.environ.get(BACKEND_ENV, "inductor")
+    if backend != "inductor":
+        return lightning_plugin.CompiledStrategy(backend=backend)
+    if side == "compiled":
+        return "compiled"
+    # Inductor's own defaults given as explicit options: the strategy then applies none of its CPU tuning.
+    return lightning_plugin.CompiledStrategy(options={"layout_optimization": True})
+
+
+class BatchTimer(L.Callback):
+    """Start and end of every training step (clock read after a device sync) and its number of images."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.steps: list[tuple[int, float, float, int]] = []  # (epoch, start, end, images)
         self._start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -77,7 +146,19 @@ class StepTimer(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         _sync()
-        self.times.append(time.perf_counter() - self._start)
+        images = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))
+        self.steps.append((trainer.current_epoch, self._start, time.perf_counter(), len(images)))
+
+    def step_seconds(self, skip: int) -> list[float]:
+        return [end - start for _, start, end, _ in self.steps[skip:]]
+
+    def images_per_second_after_first_epoch(self) -> float:
+        """Images over wall time of each epoch's training steps (data loading between them included)."""
+        rates = []
+        for epoch in sorted({e for e, *_ in self.steps} - {0}):
+            steps = [s for s in self.steps if s[0] == epoch]
+            rates.append(sum(s[3] for s in steps) / (steps[-1][2] - steps[0][1]))
+        return median(rates)
 
 
 def _sync() -> None:
@@ -85,87 +166,120 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _loader(args: argparse.Namespace, steps: int) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    n = args.batch * steps
-    x = torch.randn(n, 3, args.size, args.size, generator=g)
-    y = torch.randint(0, 10, (n,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=args.batch, drop_last=True)
-
-
-def run(args: argparse.Namespace, strategy: str, steps: int) -> list[float]:
-    torch.manual_seed(0)
-    timer = StepTimer()
-    if strategy == "compiled" and args.compile_backend != "inductor":
-        strategy = lightning_plugin.CompiledStrategy(backend=args.compile_backend)
-    trainer = L.Trainer(
-        accelerator="auto", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+def _trainer(strategy: Any, timer: BatchTimer, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="auto", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0, **kwargs,
     )
-    trainer.fit(Classifier(args.channels), _loader(args, steps))
-    return timer.times
 
 
-def first_step_in_fresh_process(args: argparse.Namespace, cache_dir: str) -> float:
+def fit_synthetic(workload: Workload, side: str, steps: int) -> BatchTimer:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    n = workload.batch * steps
+    data = TensorDataset(torch.randn(n, 3, workload.size, workload.size, generator=g),
+                         torch.randint(0, 10, (n,), generator=g))
+    timer = BatchTimer()
+    _trainer(strategy_for(side), timer, max_epochs=1).fit(
+        Classifier(workload.build()), DataLoader(data, batch_size=workload.batch, drop_last=True)
+    )
+    return timer
+
+
+def fit_recipe(side: str, epochs: int, limit_batches: int | None = None) -> BatchTimer:
+    from vision.recipes import build, trainer_kwargs
+
+    L.seed_everything(0, verbose=False)
+    module, datamodule = build(RECIPE_WORKLOAD)
+    precision = trainer_kwargs(RECIPE_WORKLOAD, gpu=torch.cuda.is_available())["precision"]
+    timer = BatchTimer()
+    limits = {} if limit_batches is None else {"limit_train_batches": limit_batches, "limit_val_batches": 0}
+    _trainer(strategy_for(side), timer, max_epochs=epochs, precision=precision, **limits).fit(module, datamodule)
+    return timer
+
+
+def first_step_in_fresh_process(workload: str, cache_dir: str) -> float:
     """Seconds of the first compiled step in a new Python process using ``cache_dir`` as Inductor's cache."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    cmd = [sys.executable, __file__, "--first-step-only", "--batch", str(args.batch), "--size", str(args.size),
-           "--channels", str(args.channels), "--compile-backend", args.compile_backend]
+    cmd = [sys.executable, os.path.abspath(__file__), "--first-step-only", workload]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["first_step_s"]
 
 
+def measure(workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Steady state of every side in turn, ``--repeats`` times; medians."""
+    per_repeat: dict[str, list[float]] = {side: [] for side in args.sides}
+    for _ in range(args.repeats):
+        for side in args.sides:
+            if workload == RECIPE_WORKLOAD:
+                per_repeat[side].append(fit_recipe(side, args.epochs).images_per_second_after_first_epoch())
+            else:
+                timer = fit_synthetic(WORKLOADS[workload], side, args.steps)
+                per_repeat[side].append(1e3 * median(timer.step_seconds(args.warmup)))
+    row: dict[str, Any] = {"workload": workload}
+    unit = "img/s" if workload == RECIPE_WORKLOAD else "ms/step"
+    for side in args.sides:
+        row[f"{side} {unit}"] = median(per_repeat[side])
+    for side in args.sides:
+        if side != "eager" and "eager" in args.sides:
+            faster = row[f"eager {unit}"] / row[f"{side} {unit}"]
+            row[f"{side} ratio"] = 1 / faster if unit == "img/s" else faster
+    row["per_repeat"] = per_repeat
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--channels", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=60, help="steps per run; the first --warmup are not timed")
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
+                        help=f"comma-separated, from {', '.join(ALL_WORKLOADS)}")
+    parser.add_argument("--sides", default="eager,compiled", help=f"comma-separated, from {', '.join(SIDES)}")
+    parser.add_argument("--steps", type=int, default=25, help="steps per fit; the first --warmup are not timed")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3, help="digits-small: epochs per fit (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile-time", action="store_true",
+                        help="skip the first-step compile times in fresh processes (cold and warm cache)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)")
-    parser.add_argument("--no-first-step", action="store_true",
-                        help="skip the first-step compile times in fresh processes (cold and warm cache)")
-    parser.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first-step-only", metavar="WORKLOAD", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.warmup >= args.steps:
-        parser.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    os.environ[BACKEND_ENV] = args.compile_backend
 
     if args.first_step_only:
-        print(json.dumps({"first_step_s": run(args, "compiled", 2)[0]}))
+        if args.first_step_only == RECIPE_WORKLOAD:
+            timer = fit_recipe("compiled", epochs=1, limit_batches=2)
+        else:
+            timer = fit_synthetic(WORKLOADS[args.first_step_only], "compiled", steps=2)
+        print(json.dumps({"first_step_s": timer.step_seconds(0)[0]}))
         return
 
-    cold = warm = float("nan")
-    if not args.no_first_step:
-        with tempfile.TemporaryDirectory(prefix="lcv-inductor-cache-") as cache_dir:
-            cold = first_step_in_fresh_process(args, cache_dir)
-            warm = first_step_in_fresh_process(args, cache_dir)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = [w for w in args.workloads if w not in ALL_WORKLOADS] + [s for s in args.sides if s not in SIDES]
+    if unknown:
+        parser.error(f"unknown workload(s)/side(s) {unknown}; workloads: {list(ALL_WORKLOADS)}, sides: {list(SIDES)}")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2 (the first epoch is not timed)")
 
-    medians: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for _ in range(args.repeats):
-        for name, strategy in (("eager", "auto"), ("compiled", "compiled")):
-            medians[name].append(median(run(args, strategy, args.steps)[args.warmup:]))
-    eager_ms = 1e3 * median(medians["eager"])
-    compiled_ms = 1e3 * median(medians["compiled"])
-    rows = [
-        {"measure": "steady-state step, eager (ms)", "value": eager_ms},
-        {"measure": "steady-state step, compiled (ms)", "value": compiled_ms},
-        {"measure": "speed-up (eager / compiled)", "value": eager_ms / compiled_ms},
-        {"measure": "first compiled step, cold cache (s)", "value": cold},
-        {"measure": "first compiled step, warm cache (s)", "value": warm},
-        {"measure": "cold / warm compile", "value": cold / warm},
-    ]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = write_results(
-        f"strategy_overhead-{device}",
-        {"args": vars(args), "per_repeat_median_s": medians, "results": {r["measure"]: r["value"] for r in rows}},
-    )
+    print(f"machine: {machine_info()['device']}, {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
     stream = ResultStream("strategy_overhead")
-    for row in rows:
-        stream.add(row)
+    rows = []
+    for workload in args.workloads:
+        row = measure(workload, args)
+        if not args.no_compile_time:
+            with tempfile.TemporaryDirectory(prefix="lcv-inductor-cache-") as cache_dir:
+                row["compile cold s"] = first_step_in_fresh_process(workload, cache_dir)
+                row["compile warm s"] = first_step_in_fresh_process(workload, cache_dir)
+        rows.append(stream.add(row))
+        print(json.dumps({k: v for k, v in row.items() if k != "per_repeat"}, default=str), flush=True)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = write_results(f"strategy_overhead-{device}", {"args": vars(args), "results": rows})
     print(f"results written to {path}")
-    print_table(rows, ["measure", "value"])
+    columns = sorted({k for r in rows for k in r if k != "per_repeat"}, key=lambda k: (k != "workload", k))
+    print_table(rows, columns)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters, get_compilation_metrics
 
+from lightning_plugin import cpu_inductor
+
 
 @dataclass
 class GraphRecord:
@@ -286,8 +288,12 @@ def _break_reason(gm: torch.fx.GraphModule) -> str | None:
 
 
 def make_backend(backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None,
-                 dynamic: bool | None, stats: CompileStats) -> CountingBackend:
-    """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting."""
+                 dynamic: bool | None, stats: CompileStats, device: torch.device | None = None) -> CountingBackend:
+    """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting.
+
+    Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`.
+    """
+    options = cpu_inductor.training_options(backend, mode, options, device) or options
     if backend == "inductor":
         inner: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:

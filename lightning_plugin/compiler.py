@@ -119,7 +119,7 @@ class ModuleCompiler:
             )
         self._use_eager = False
         self._backend = make_backend(
-            self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats
+            self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats, device
         )
         targets = find_repeated_blocks(module) if self.config.regional else []
         if self.config.regional and not targets:

@@ -1,0 +1,181 @@
+"""The CPU training tuning of Inductor (``lightning_plugin.cpu_inductor``): when it applies, that it is
+active while the strategy compiles (Inductor no longer picks channels_last), and that compiled training
+with it matches eager in float64 (train and eval, gradients, BN running stats)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch._inductor.graph import GraphLowering
+
+import lightning_plugin
+from lightning_plugin import CompileConfig, cpu_inductor
+from lightning_plugin.compile_stats import CompileStats, make_backend
+from lightning_plugin.compiler import ModuleCompiler
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _compile_for_real():
+    """Compile each graph here (no FX/AOT cache hits), so the layout spy sees Inductor decide."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def layout_decisions(monkeypatch):
+    """Every ``decide_layout_opt`` answer Inductor gives while compiling (True: it picks channels_last)."""
+    decisions: list[bool] = []
+    original = GraphLowering.decide_layout_opt
+
+    def spy(gm, *, is_inference):
+        decision = original(gm, is_inference=is_inference)
+        decisions.append(decision)
+        return decision
+
+    monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(spy))
+    return decisions
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+            nn.Conv2d(4, 6, 3, stride=2, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+        )
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def resnet18_fragment() -> nn.Module:
+    """torchvision's ResNet-18 stem and first stage (conv, BN, ReLU, max-pool, two BasicBlocks)."""
+    net = torchvision.models.resnet18(num_classes=3)
+    return nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1)
+
+
+# ---------------------------------------------------------------------------------------------- when it applies
+@pytest.mark.parametrize(
+    ("backend", "mode", "options", "device", "expected"),
+    [
+        ("inductor", None, None, CPU, True),
+        ("inductor", "default", {}, CPU, True),
+        ("inductor", None, None, torch.device("cuda"), False),
+        ("inductor", None, None, None, False),
+        ("inductor", None, {"layout_optimization": True}, CPU, False),
+        ("inductor", "max-autotune", None, CPU, False),
+        ("aot_eager", None, None, CPU, False),
+    ],
+)
+def test_applies_only_to_plain_inductor_on_cpu(backend, mode, options, device, expected):
+    tuned = cpu_inductor.training_options(backend, mode, options, device)
+    assert tuned == (cpu_inductor.CPU_TRAINING_OPTIONS if expected else None)
+
+
+def test_make_backend_tunes_inductor_on_cpu_and_keeps_user_options():
+    stats = CompileStats()
+    assert make_backend("inductor", None, None, None, stats, CPU).inner.config == {"layout_optimization": False}
+    assert make_backend("inductor", None, None, None, stats, torch.device("cuda")).inner.config == {}
+    user = make_backend("inductor", None, {"shape_padding": True}, None, stats, CPU).inner
+    assert user.config == {"shape_padding": True}
+    assert "layout_optimization" not in make_backend("inductor", "max-autotune", None, None, stats, CPU).inner.config
+
+
+# ---------------------------------------------------------------------------------------------- active in a fit
+class _Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SmallCNN()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(6, 3, 9, 7, generator=g), torch.randint(0, 3, (6,), generator=g))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(_Classifier(), torch.utils.data.DataLoader(data, batch_size=3))
+
+
+def test_a_compiled_fit_on_cpu_leaves_the_layout_alone(layout_decisions):
+    _fit("compiled")
+    assert layout_decisions and not any(layout_decisions)  # stock Inductor answers True for mkldnn convs on CPU
+
+
+def test_user_options_switch_the_tuning_off(layout_decisions):
+    _fit(lightning_plugin.CompiledStrategy(options={"shape_padding": True}))
+    assert any(layout_decisions)
+
+
+# ---------------------------------------------------------------------------------------------- matches eager
+def _train_steps(model: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    outputs = []
+    for x in batches:
+        out = model(x)
+        outputs.append(out.detach())
+        optimizer.zero_grad()
+        out.square().mean().backward()
+        optimizer.step()
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("build", "shape", "channels_last"),
+    [
+        (resnet18_fragment, (1, 3, 19, 13), False),  # N=1, odd sizes: BN statistics over H*W only
+        (SmallCNN, (3, 3, 11, 1), False),  # a size-1 dimension
+        (SmallCNN, (2, 3, 7, 9), True),
+    ],
+    ids=["resnet18_fragment_n1_odd", "small_cnn_w1", "small_cnn_channels_last"],
+)
+def test_compiled_training_with_the_tuning_matches_eager_in_float64(build, shape, channels_last):
+    torch.manual_seed(0)
+    eager = build().double()
+    compiled = copy.deepcopy(eager)
+    if channels_last:
+        eager.to(memory_format=torch.channels_last)
+        compiled.to(memory_format=torch.channels_last)
+    compiler = ModuleCompiler(CompileConfig(fallback="raise"))
+    assert compiler.compile(compiled, CPU)
+    assert compiler._backend.inner.config == cpu_inductor.CPU_TRAINING_OPTIONS
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(2)]
+    if channels_last:
+        batches = [b.contiguous(memory_format=torch.channels_last) for b in batches]
+
+    for want, got in zip(_train_steps(eager, batches), _train_steps(compiled, batches)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+        torch.testing.assert_close(p_compiled, p_eager, rtol=1e-9, atol=1e-10, msg=name)
+    for (name, b_eager), b_compiled in zip(eager.named_buffers(), compiled.buffers()):
+        torch.testing.assert_close(b_compiled, b_eager, rtol=1e-9, atol=1e-10, msg=name)  # running stats, counts
+
+    eager.eval()
+    compiled.eval()
+    torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-9, atol=1e-10)
+    assert compiler.stats.graphs >= 2 and not compiler.stats.fell_back
+    compiler.restore(compiled)
+
