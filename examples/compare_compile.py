@@ -84,8 +84,8 @@ def run_once(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     module, datamodule = build(recipe, data=data, model=model)
     timer = StepTimer()
     gpu = torch.cuda.is_available()
-    if compiled:
-        strategy: Any = CompiledStrategy(**{**recipe.compile, "backend": args.backend,
+    if compiled:  # compile="always": with "auto" a compiled side measured slower would switch to eager
+        strategy: Any = CompiledStrategy(**{**recipe.compile, "backend": args.backend, "compile": "always",
                                             **({} if args.backend == "inductor" else {"mode": None})})
     else:
         strategy = "auto"
