@@ -160,7 +160,11 @@ class CompileStats:
 
     @property
     def recompile_reasons(self) -> list[str]:
-        return [f"{r.code_name or 'frame'}: {r.recompile_reason}" for r in self.frame_records if r.recompile_reason]
+        return [
+            f"{r.code_name or 'frame'}: {r.recompile_reason}"
+            for r in self.frame_records
+            if r.recompile_reason
+        ]
 
     @property
     def skipped_frames(self) -> list[str]:
@@ -287,8 +291,14 @@ def _break_reason(gm: torch.fx.GraphModule) -> str | None:
     return f"{_describe(reason.reason)}{where}"
 
 
-def make_backend(backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None,
-                 dynamic: bool | None, stats: CompileStats, device: torch.device | None = None) -> CountingBackend:
+def make_backend(
+    backend: str | Callable[..., Any],
+    mode: str | None,
+    options: dict[str, Any] | None,
+    dynamic: bool | None,
+    stats: CompileStats,
+    device: torch.device | None = None,
+) -> CountingBackend:
     """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting.
 
     Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`.

@@ -119,7 +119,12 @@ class ModuleCompiler:
             )
         self._use_eager = False
         self._backend = make_backend(
-            self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats, device
+            self.config.backend,
+            self.config.mode,
+            self.config.options,
+            self.config.dynamic,
+            self.stats,
+            device,
         )
         targets = find_repeated_blocks(module) if self.config.regional else []
         if self.config.regional and not targets:
@@ -129,7 +134,9 @@ class ModuleCompiler:
                 stacklevel=2,
             )
         self._targets = targets or [module]
-        codes = {dynamo_cache.code_of(target.forward) for target in self._targets}  # repeated blocks share one
+        codes = {
+            dynamo_cache.code_of(target.forward) for target in self._targets
+        }  # repeated blocks share one
         self.stats.start(reused_frames=sum(dynamo_cache.prepare(code, self._backend) for code in codes))
         self._patch_targets(module)
         return True
@@ -178,7 +185,11 @@ class ModuleCompiler:
         self._patched.append(_PatchedForward(target, previous))
 
     def _guarded(
-        self, target: nn.Module, eager: Callable[..., Any], compiled: Callable[..., Any], to_channels_last: bool
+        self,
+        target: nn.Module,
+        eager: Callable[..., Any],
+        compiled: Callable[..., Any],
+        to_channels_last: bool,
     ) -> Callable[..., Any]:
         config, stats = self.config, self.stats
 

@@ -27,7 +27,9 @@ import lightning_plugin  # noqa: F401  (registers the strategies)
 # torch's structured trace log is DEBUG-level; letting pytest capture it slows every compile.
 logging.getLogger("torch.__trace").propagate = False
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine"
+)
 
 
 @pytest.fixture(autouse=True)

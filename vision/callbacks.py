@@ -20,7 +20,13 @@ from typing_extensions import override
 
 from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
 
-__all__ = ["BestAndLastCheckpoint", "FitLoggingInterval", "LcvModelSummary", "LcvProgressBar", "ThroughputMeter"]
+__all__ = [
+    "BestAndLastCheckpoint",
+    "FitLoggingInterval",
+    "LcvModelSummary",
+    "LcvProgressBar",
+    "ThroughputMeter",
+]
 
 
 class ThroughputMeter(Callback):
@@ -54,12 +60,15 @@ class ThroughputMeter(Callback):
         self.meter.discard()
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.step_started()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.step_ended(int(batch[0].shape[0]))
 
     @override
@@ -179,8 +188,11 @@ class LcvModelSummary(ModelSummary):
             count = sum(p.numel() for p in child.parameters())
             if count:
                 trained = sum(p.numel() for p in child.parameters() if p.requires_grad)
-                role = "trained" if trained == count else ("not trained" if trained == 0 else
-                                                           f"{get_human_readable_count(trained)} trained")
+                role = (
+                    "trained"
+                    if trained == count
+                    else ("not trained" if trained == 0 else f"{get_human_readable_count(trained)} trained")
+                )
                 if name == "ema":
                     role = "not trained: the moving average of `model`'s weights, used to evaluate"
                 rows.append((name, type(child).__name__, get_human_readable_count(count), role))
@@ -191,8 +203,10 @@ class LcvModelSummary(ModelSummary):
         total = sum(p.numel() for p in pl_module.parameters())
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         size_mb = sum(p.numel() * p.element_size() for p in pl_module.parameters()) / 1e6
-        lines.append(f"{get_human_readable_count(trainable)} trainable parameters of "
-                     f"{get_human_readable_count(total)} ({size_mb:.1f} MB)")
+        lines.append(
+            f"{get_human_readable_count(trainable)} trainable parameters of "
+            f"{get_human_readable_count(total)} ({size_mb:.1f} MB)"
+        )
         rank_zero_info("\n".join(lines))
 
 

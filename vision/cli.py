@@ -57,8 +57,11 @@ class LcvError(ValueError):
 
 
 #: Lightning info lines ``lcv`` does not show: an advertisement and notes about its own internals.
-_NOT_SHOWN = ("litlogger", "Trainer already configured with model summary callbacks",
-              "to estimate number of stepping batches")
+_NOT_SHOWN = (
+    "litlogger",
+    "Trainer already configured with model summary callbacks",
+    "to estimate number of stepping batches",
+)
 
 #: model options that decide the architecture: a checkpoint's weights only fit its own values.
 _ARCHITECTURE_OPTIONS = ("model", "model_kwargs")
@@ -111,16 +114,22 @@ class LcvCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
-            "--recipe", type=str, default=self.recipe.name,
+            "--recipe",
+            type=str,
+            default=self.recipe.name,
             help=f"Recipe that sets the defaults of every option (known: {', '.join(list_recipes())}).",
         )
         parser.add_argument(
-            "--test_after_fit", type=bool, default=True,
+            "--test_after_fit",
+            type=bool,
+            default=True,
             help="fit only: test the final weights (and the EMA weights, when kept) after training and print a "
-                 "summary.",
+            "summary.",
         )
         parser.add_argument(
-            "--predictions_path", type=str | None, default=None,
+            "--predictions_path",
+            type=str | None,
+            default=None,
             help="predict only: save the predictions (probs, preds) to this .pt file.",
         )
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -184,8 +193,11 @@ class LcvCLI(LightningCLI):
 
     def _given_model_options(self) -> set[str]:
         """The ``--model.*`` options set on the command line or in a --config file."""
-        keys = {arg[len("--model."):].split("=", 1)[0].split(".", 1)[0]
-                for arg in self._argv if arg.startswith("--model.")}
+        keys = {
+            arg[len("--model.") :].split("=", 1)[0].split(".", 1)[0]
+            for arg in self._argv
+            if arg.startswith("--model.")
+        }
         for path in _option(self._argv, "--config", "-c"):
             loaded = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
             if isinstance(loaded, dict):
@@ -238,13 +250,19 @@ class LcvCLI(LightningCLI):
         if self.trainer.is_global_zero:
             print(self.fit_summary())
 
-    def fit(self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any) -> None:
+    def fit(
+        self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any
+    ) -> None:
         with warnings.catch_warnings():
             if ckpt_path is None:
                 # With FaultTolerantCheckpoint among the callbacks, Lightning turns ckpt_path=None into "last"
                 # and warns twice; a new lcv run has its own version folder, so there is nothing to resume.
-                warnings.filterwarnings("ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model")
-                warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
+                warnings.filterwarnings(
+                    "ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model"
+                )
+                warnings.filterwarnings(
+                    "ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last'
+                )
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
     def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
@@ -261,9 +279,11 @@ class LcvCLI(LightningCLI):
         """The lines ``lcv fit`` prints at the end: accuracy of each evaluated weights, the best and the last
         checkpoints, throughput, where the logs are."""
         trainer = self.trainer
-        lines = [f"lcv fit --recipe {self.recipe.name}: done in {time.perf_counter() - self.started:.1f} s "
-                 f"(from parsing the options to the end, imports not included; {trainer.current_epoch} "
-                 f"epochs, {trainer.global_step} steps, device {trainer.strategy.root_device})"]
+        lines = [
+            f"lcv fit --recipe {self.recipe.name}: done in {time.perf_counter() - self.started:.1f} s "
+            f"(from parsing the options to the end, imports not included; {trainer.current_epoch} "
+            f"epochs, {trainer.global_step} steps, device {trainer.strategy.root_device})"
+        ]
         for name, result in self.test_results.items():
             text = f"  test accuracy ({name} weights): {100 * result['test/acc']:.2f}%"
             if "test/acc_top5" in result:
@@ -275,8 +295,10 @@ class LcvCLI(LightningCLI):
         if best is not None:
             lines.append(f"  best val/acc ({evaluated} weights): {100 * best[0]:.2f}%, checkpoint {best[1]}")
         if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
-            lines.append(f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): "
-                         f"{checkpoint.last_model_path}")
+            lines.append(
+                f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): "
+                f"{checkpoint.last_model_path}"
+            )
         overall = self.throughput.images_per_second()
         if overall is not None:
             text = f"  training throughput: {overall:,.0f} images/s (all epochs"
@@ -306,7 +328,9 @@ def _check_run_length(trainer: Any) -> None:
     if steps == 0:
         raise LcvError("--trainer.max_steps 0 trains nothing; give at least 1 (or -1 for no step limit)")
     if limit is not None and limit == 0:
-        raise LcvError("--trainer.limit_train_batches 0 trains nothing; give a positive number of batches or fraction")
+        raise LcvError(
+            "--trainer.limit_train_batches 0 trains nothing; give a positive number of batches or fraction"
+        )
     if epochs is not None and epochs < 0 and (steps is None or steps < 0):
         raise LcvError(
             f"--trainer.max_epochs {epochs} trains until stopped, but the learning-rate schedule needs the run's "
@@ -349,7 +373,9 @@ def _check_data(recipe: Recipe, data: Any) -> None:
                 "train/<class>/* and val/<class>/*"
             )
         if not Path(root).exists():
-            raise LcvError(f"--data.root {root!r} does not exist (expected train/<class>/* and val/<class>/*)")
+            raise LcvError(
+                f"--data.root {root!r} does not exist (expected train/<class>/* and val/<class>/*)"
+            )
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -443,7 +469,9 @@ def run(args: list[str] | None = None, gpu: bool | None = None) -> LcvCLI | None
         if argv[0] not in _SUBCOMMANDS:
             close = difflib.get_close_matches(argv[0], [*_SUBCOMMANDS, "recipes"], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise LcvError(f"unknown subcommand {argv[0]!r}.{hint} Choose from {', '.join(_SUBCOMMANDS)}, recipes")
+            raise LcvError(
+                f"unknown subcommand {argv[0]!r}.{hint} Choose from {', '.join(_SUBCOMMANDS)}, recipes"
+            )
         name = _recipe_name(argv)
         if name is None:
             if "-h" in argv or "--help" in argv:

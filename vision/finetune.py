@@ -74,13 +74,15 @@ def read_weights_file(path: str) -> dict[str, Tensor]:
     try:
         loaded: Any = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors
-        raise WeightsError(f"--model.weights {path!r} is not a state_dict saved with torch.save: {err}") from err
+        raise WeightsError(
+            f"--model.weights {path!r} is not a state_dict saved with torch.save: {err}"
+        ) from err
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
         raise WeightsError(f"--model.weights {path!r} does not hold a state_dict (a dict of tensors)")
     if any(k.startswith("model.") for k in loaded):
-        loaded = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
+        loaded = {k[len("model.") :]: v for k, v in loaded.items() if k.startswith("model.")}
     return loaded
 
 
@@ -99,7 +101,11 @@ def classifier_prefixes(model: nn.Module, num_classes: int) -> list[str]:
         for name, module in model.named_modules():
             if module is head:
                 return [name]
-    last = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    last = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m.out_features == num_classes
+    ]
     return last[-1:]
 
 

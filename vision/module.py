@@ -90,34 +90,34 @@ class ClassificationModule(pl.LightningModule):
     """
 
     def __init__(
-            self,
-            model: str = "resnet18",
-            num_classes: int | None = None,
-            model_kwargs: dict[str, Any] | None = None,
-            optimizer: Literal["sgd", "adamw"] = "sgd",
-            lr: float = 0.1,
-            momentum: float = 0.9,
-            nesterov: bool = False,
-            weight_decay: float = 5e-4,
-            norm_weight_decay: float | None = None,
-            bias_lr_scale: float = 1.0,
-            schedule: Schedule = "cosine",
-            warmup_fraction: float = 0.0,
-            warmup_start_factor: float = 0.01,
-            final_lr_factor: float = 0.0,
-            step_epochs: int = 30,
-            step_gamma: float = 0.1,
-            label_smoothing: float = 0.0,
-            ema_decay: float | None = None,
-            ema_every_n_steps: int = 1,
-            lookahead: bool = False,
-            tta: Literal["none", "flip", "flip_translate"] = "none",
-            whitening_images: int = 0,
-            whitening_bias_epochs: int | None = None,
-            channels_last: bool = True,
-            recipe: str | None = None,
-            pretrained: bool = False,
-            weights: str | None = None,
+        self,
+        model: str = "resnet18",
+        num_classes: int | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 5e-4,
+        norm_weight_decay: float | None = None,
+        bias_lr_scale: float = 1.0,
+        schedule: Schedule = "cosine",
+        warmup_fraction: float = 0.0,
+        warmup_start_factor: float = 0.01,
+        final_lr_factor: float = 0.0,
+        step_epochs: int = 30,
+        step_gamma: float = 0.1,
+        label_smoothing: float = 0.0,
+        ema_decay: float | None = None,
+        ema_every_n_steps: int = 1,
+        lookahead: bool = False,
+        tta: Literal["none", "flip", "flip_translate"] = "none",
+        whitening_images: int = 0,
+        whitening_bias_epochs: int | None = None,
+        channels_last: bool = True,
+        recipe: str | None = None,
+        pretrained: bool = False,
+        weights: str | None = None,
     ) -> None:
         super().__init__()
         _validate(locals())
@@ -216,7 +216,9 @@ class ClassificationModule(pl.LightningModule):
     @override
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.model is None:
-            raise RuntimeError("the model is not built yet: pass num_classes or run inside a Trainer with a datamodule")
+            raise RuntimeError(
+                "the model is not built yet: pass num_classes or run inside a Trainer with a datamodule"
+            )
         # Evaluate with the plain EMA; with lookahead the live model is itself the average at eval time.
         if not self.training and self.evaluation_weights()[0] == "EMA" and self._evaluate_with != "final":
             assert self.ema is not None  # "EMA" is offered only when it is kept
@@ -361,7 +363,9 @@ def _split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 
     Called from ``configure_optimizers``, before ``whitening_bias_epochs`` can freeze the whitening bias,
     so that bias keeps its place in the optimizer (its gradient is simply ``None`` once frozen)."""
-    norm_ids = {id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
+    norm_ids = {
+        id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)
+    }
     trainable = [p for p in model.parameters() if p.requires_grad]
     return [p for p in trainable if id(p) not in norm_ids], [p for p in trainable if id(p) in norm_ids]
 

@@ -86,9 +86,9 @@ def one_cuda_device(monkeypatch):
 
 def test_device_follows_the_accelerator(one_cuda_device):
     # The pitfall (Lightning #18902): the built-in single_device strategy resolved by name stays on the CPU.
-    assert L.Trainer(accelerator="cuda", devices=1, strategy="single_device", logger=False).strategy.root_device == (
-        torch.device("cpu")
-    )
+    assert L.Trainer(
+        accelerator="cuda", devices=1, strategy="single_device", logger=False
+    ).strategy.root_device == (torch.device("cpu"))
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy="compiled", logger=False)
     assert trainer.strategy.root_device == torch.device("cuda", 0)
     by_instance = L.Trainer(accelerator="cuda", devices=1, strategy=CompiledStrategy(), logger=False)

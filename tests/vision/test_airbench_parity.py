@@ -55,11 +55,19 @@ class _FixedBatches:
 
 def test_recipe_trains_like_airbench_train_loop(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    batches = [(torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))) for _ in range(STEPS_PER_EPOCH)]
+    batches = [
+        (torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))) for _ in range(STEPS_PER_EPOCH)
+    ]
     monkeypatch.chdir(tmp_path)  # airbench's train() opens its test set at ./cifar10/test.pt
     os.makedirs("cifar10")
-    torch.save({"images": torch.zeros(4, 32, 32, 3, dtype=torch.uint8), "labels": torch.zeros(4, dtype=torch.long),
-                "classes": [str(i) for i in range(10)]}, "cifar10/test.pt")
+    torch.save(
+        {
+            "images": torch.zeros(4, 32, 32, 3, dtype=torch.uint8),
+            "labels": torch.zeros(4, dtype=torch.long),
+            "classes": [str(i) for i in range(10)],
+        },
+        "cifar10/test.pt",
+    )
 
     with _airbench_on_cpu():
         net = make_net94(widths=WIDTHS)
@@ -68,21 +76,43 @@ def test_recipe_trains_like_airbench_train_loop(tmp_path, monkeypatch):
         airbench_utils.init_whitening_conv(net[0], torch.cat([x for x, _ in batches]))
         start = copy.deepcopy(net)
         reference = airbench_utils.train(
-            _FixedBatches(batches), epochs=EPOCHS, label_smoothing=0.2, learning_rate=11.5, bias_scaler=64.0,
-            momentum=0.85, weight_decay=0.0153, whiten_bias_epochs=3, tta_level=0, make_net=lambda: net, run=0,
+            _FixedBatches(batches),
+            epochs=EPOCHS,
+            label_smoothing=0.2,
+            learning_rate=11.5,
+            bias_scaler=64.0,
+            momentum=0.85,
+            weight_decay=0.0153,
+            whiten_bias_epochs=3,
+            tta_level=0,
+            make_net=lambda: net,
+            run=0,
             verbose=False,
         )
 
     # Ours: the recipe's settings; its lr is "per 1024 examples" of a mean loss, so it scales with the batch.
-    module = build_module("cifar10-airbench", num_classes=10, whitening_images=0, channels_last=False,
-                          model_kwargs={"widths": list(WIDTHS.values())}, lr=11.5 / (1 + 1 / 0.15) * BATCH / 1024)
+    module = build_module(
+        "cifar10-airbench",
+        num_classes=10,
+        whitening_images=0,
+        channels_last=False,
+        model_kwargs={"widths": list(WIDTHS.values())},
+        lr=11.5 / (1 + 1 / 0.15) * BATCH / 1024,
+    )
     ours_keys = list(module.model.state_dict())
     start_state = dict(zip(ours_keys, start.state_dict().values(), strict=True))
     module.model.load_state_dict(start_state)
     module.ema.module.load_state_dict(start_state)
-    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     assert trainer.global_step == EPOCHS * STEPS_PER_EPOCH
 

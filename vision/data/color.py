@@ -11,7 +11,14 @@ import torch
 from torch import Tensor
 
 from vision.data.functional.color import (
-    IMAGENET_MEAN, IMAGENET_STD, as_float, color_jitter, jitter_planes, jitter_tables, normalize, normalize_factors,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    as_float,
+    color_jitter,
+    jitter_planes,
+    jitter_tables,
+    normalize,
+    normalize_factors,
     rgb_to_gray,
 )
 from vision.data.ops import BatchOp, Params, bernoulli, check_p, uniform
@@ -20,7 +27,9 @@ _JITTER_TABLES = ("f", "s", "m", "contrast_slot", "hue", "hue_on")
 _JITTER_PARAMS = ("brightness", "contrast", "saturation", "hue", "order")
 
 
-def _range(value: float | Sequence[float], name: str, center: float, lower_bound: float | None) -> tuple[float, float]:
+def _range(
+    value: float | Sequence[float], name: str, center: float, lower_bound: float | None
+) -> tuple[float, float]:
     """Scalar ``v`` -> ``[max(lb, c - v), c + v]``; a pair is checked and kept (albumentations semantics)."""
     if isinstance(value, (int, float)):
         if value < 0:
@@ -135,7 +144,9 @@ class Normalize(BatchOp):
             return normalize_factors(self.mean, self.std, self.max_pixel_value, channels, device)
         key = (str(device), channels)  # eagerly: made once per device, not on every batch
         if key not in self._factor_cache:
-            self._factor_cache[key] = normalize_factors(self.mean, self.std, self.max_pixel_value, channels, device)
+            self._factor_cache[key] = normalize_factors(
+                self.mean, self.std, self.max_pixel_value, channels, device
+            )
         return self._factor_cache[key]
 
     def apply(self, images: Tensor, params: Params) -> Tensor:

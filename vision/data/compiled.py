@@ -34,8 +34,9 @@ def ops_runner(ops: Sequence[BatchOp], finish: Callable[[Tensor], Tensor] | None
     gets ``index`` (the batch's rows of a store) when given; ``finish`` converts the last op's output, which
     is written into ``out`` when given (compiled, the last kernel stores straight into it)."""
 
-    def run(x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None,
-            out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def run(
+        x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None, out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         for i, (op, p) in enumerate(zip(ops, params)):
             x = op.apply(x, p, index=index) if i == 0 and index is not None else op.apply(x, p)
             if targets is not None and op.mixes_targets:
@@ -68,8 +69,15 @@ class CompiledOps:
         name = f"vision_data_pipeline_{next(_ids)}"
         self._compiled = torch.compile(_own_code(run, name), backend=BACKEND, dynamic=False, fullgraph=True)
 
-    def __call__(self, x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None,
-                 ragged: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self,
+        x: Tensor,
+        params: list[Params],
+        index: Tensor | None,
+        targets: Tensor | None,
+        ragged: bool,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         if out is not None:
             torch._dynamo.mark_dynamic(out, 0)
         for p in params:

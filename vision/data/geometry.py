@@ -16,8 +16,15 @@ import torch
 from torch import Tensor
 
 from vision.data.functional.geometry import (
-    BORDER_MODES, crop_tables, gather_crop, random_crop_params, random_resized_crop_params, resample,
-    resample_tables, resize_boxes, whole_pixel_boxes,
+    BORDER_MODES,
+    crop_tables,
+    gather_crop,
+    random_crop_params,
+    random_resized_crop_params,
+    resample,
+    resample_tables,
+    resize_boxes,
+    whole_pixel_boxes,
 )
 from vision.data.ops import FLIP_AFTER, BatchOp, Params, RaggedBatch, bernoulli, check_p
 
@@ -47,7 +54,9 @@ def _padding4(padding: int | Sequence[int]) -> tuple[int, int, int, int]:
         elif len(p) == 4:
             pads = p
         else:
-            raise ValueError(f"padding must be an int, (pad_x, pad_y) or (left, top, right, bottom), got {padding!r}")
+            raise ValueError(
+                f"padding must be an int, (pad_x, pad_y) or (left, top, right, bottom), got {padding!r}"
+            )
     if min(pads) < 0:
         raise ValueError(f"padding must be non-negative, got {padding!r}")
     return pads  # type: ignore[return-value]
@@ -94,9 +103,15 @@ class _Crop(BatchOp):
         n = index.shape[0] if index is not None else int(shape[0])
         top, left = self._offsets(params, n, height, width)
         flip = _flip(params)
-        tables = crop_tables(top.cpu(), left.cpu(), self._crop_size(height, width), (height, width),
-                             self._padding_for(height, width), self.padding_mode,
-                             None if flip is None else flip.cpu())
+        tables = crop_tables(
+            top.cpu(),
+            left.cpu(),
+            self._crop_size(height, width),
+            (height, width),
+            self._padding_for(height, width),
+            self.padding_mode,
+            None if flip is None else flip.cpu(),
+        )
         return {**params, **tables}
 
     def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
@@ -192,7 +207,9 @@ class AlternatingFlipCrop(RandomCrop):
     ) -> None:
         super().__init__(size, padding=padding, padding_mode=padding_mode, fill=fill)
         if not callable(epoch):
-            raise TypeError(f"AlternatingFlipCrop: epoch must be a callable returning the epoch, got {epoch!r}")
+            raise TypeError(
+                f"AlternatingFlipCrop: epoch must be a callable returning the epoch, got {epoch!r}"
+            )
         self._epoch = epoch
         self.seed = int(seed)
         self._bits: Tensor | None = None
@@ -229,7 +246,9 @@ class AlternatingFlipCrop(RandomCrop):
 class Pad(_Crop):
     """Deterministic padding by (left, top, right, bottom) pixels (albumentations ``Pad``)."""
 
-    def __init__(self, padding: int | Sequence[int], padding_mode: PaddingMode = "constant", fill: float = 0.0):
+    def __init__(
+        self, padding: int | Sequence[int], padding_mode: PaddingMode = "constant", fill: float = 0.0
+    ):
         _check_mode(padding_mode, "Pad")
         self.padding = _padding4(padding)
         self.padding_mode = padding_mode
@@ -251,7 +270,9 @@ class PadIfNeeded(Pad):
     """Pad to at least ``min_height`` x ``min_width``, centred (albumentations ``PadIfNeeded`` position
     ``center``: the extra pixel of an odd amount goes to the bottom / right)."""
 
-    def __init__(self, min_height: int, min_width: int, padding_mode: PaddingMode = "constant", fill: float = 0.0):
+    def __init__(
+        self, min_height: int, min_width: int, padding_mode: PaddingMode = "constant", fill: float = 0.0
+    ):
         super().__init__(0, padding_mode, fill)
         self.min_height, self.min_width = int(min_height), int(min_width)
 
@@ -330,9 +351,15 @@ class _Resample(BatchOp):
 
     def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
         flip = _flip(params)
-        tables = resample_tables(params["top"].cpu(), params["left"].cpu(), params["height"].cpu(),
-                                 params["width"].cpu(), self.size, (int(shape[-2]), int(shape[-1])),
-                                 None if flip is None else flip.cpu())
+        tables = resample_tables(
+            params["top"].cpu(),
+            params["left"].cpu(),
+            params["height"].cpu(),
+            params["width"].cpu(),
+            self.size,
+            (int(shape[-2]), int(shape[-1])),
+            None if flip is None else flip.cpu(),
+        )
         return {**params, **tables}
 
     def compiles_on(self, device: torch.device) -> bool:
@@ -343,8 +370,15 @@ class _Resample(BatchOp):
     def apply(self, images: Tensor | RaggedBatch, params: Params) -> Tensor:
         canvas = images.canvas if isinstance(images, RaggedBatch) else images
         if whole_pixel_boxes(canvas, params):
-            return resize_boxes(canvas, params["top"], params["left"], params["height"], params["width"], self.size,
-                                _flip(params))
+            return resize_boxes(
+                canvas,
+                params["top"],
+                params["left"],
+                params["height"],
+                params["width"],
+                self.size,
+                _flip(params),
+            )
         if "y0" not in params:  # called directly, not by a Pipeline
             params = self.prepare(params, _shape_of(canvas))
         taps = {k: params[k].to(canvas.device) for k in ("y0", "y1", "wy", "x0", "x1", "wx")}
@@ -415,7 +449,9 @@ class ResizeCenterCrop(_Resample):
         self.size = _pair(size, "ResizeCenterCrop size")
         self.resize_size = int(resize_size) if resize_size is not None else int(round(max(self.size) / 0.875))
         if self.resize_size < max(self.size):
-            raise ValueError(f"ResizeCenterCrop: resize_size {self.resize_size} is smaller than the crop {self.size}")
+            raise ValueError(
+                f"ResizeCenterCrop: resize_size {self.resize_size} is smaller than the crop {self.size}"
+            )
 
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
         hs, ws = _sizes(n, height, width)

@@ -75,10 +75,10 @@ def split_batches(shard: Tensor, batch_size: int, count: int, drop_last: bool) -
     With ``uneven="exact"`` a rank whose shard is one longer than the shortest gets that extra sample in its
     last batch (which may then hold ``batch_size + 1``): every rank keeps the same number of batches.
     """
-    out = [shard[b * batch_size: (b + 1) * batch_size] for b in range(count - 1)]
+    out = [shard[b * batch_size : (b + 1) * batch_size] for b in range(count - 1)]
     if count > 0:
         end = count * batch_size if drop_last else shard.numel()
-        out.append(shard[(count - 1) * batch_size: end])
+        out.append(shard[(count - 1) * batch_size : end])
     return out
 
 
@@ -149,7 +149,9 @@ class DeviceLoader:
         if batch_size < 1:
             raise ValueError(f"DeviceLoader: batch_size must be >= 1, got {batch_size}")
         if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"DeviceLoader: pipeline must be a vision.data.Pipeline, got {type(pipeline).__name__}")
+            raise TypeError(
+                f"DeviceLoader: pipeline must be a vision.data.Pipeline, got {type(pipeline).__name__}"
+            )
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         shard_indices(torch.arange(1), rank, world_size, uneven)  # validates rank and uneven
@@ -305,8 +307,12 @@ class DeviceLoader:
             return self.pipeline(self._images, self._targets.index_select(0, idx), g, index=indices)
         assert self._images is not None
         if self.device.type == "cuda":  # gather straight into pinned memory, then an async copy
-            host = torch.empty((indices.numel(), *self._images.shape[1:]), dtype=torch.uint8,
-                               memory_format=_memory_format(self._images), pin_memory=True)
+            host = torch.empty(
+                (indices.numel(), *self._images.shape[1:]),
+                dtype=torch.uint8,
+                memory_format=_memory_format(self._images),
+                pin_memory=True,
+            )
             torch.index_select(self._images, 0, indices, out=host)
             store = host.to(self.device, non_blocking=True)
         else:
@@ -343,8 +349,10 @@ class DeviceLoader:
                 self.position = b + 1
                 yield x, y
         if self.skipped > skipped_before:
-            warnings.warn(f"skipped {self.skipped - skipped_before} corrupt or unreadable image(s) in epoch {epoch}",
-                          stacklevel=2)
+            warnings.warn(
+                f"skipped {self.skipped - skipped_before} corrupt or unreadable image(s) in epoch {epoch}",
+                stacklevel=2,
+            )
 
     def _iterate_cuda(self, batches: list[Tensor], epoch: int, start: int) -> Iterator[tuple[Tensor, Tensor]]:
         """Batch ``b + 1`` is fetched, copied and augmented on a side stream while ``b`` is consumed."""
@@ -380,9 +388,14 @@ class DeviceLoader:
     def state_dict(self) -> dict[str, Any]:
         """``(seed, epoch, position)`` is the complete random state (see module docstring)."""
         return {
-            "seed": self.seed, "epoch": self.epoch, "position": self.position,
-            "num_samples": self.num_samples, "world_size": self.world_size, "batch_size": self.batch_size,
-            "uneven": self.uneven, "drop_last": self.drop_last,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "uneven": self.uneven,
+            "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -401,9 +414,13 @@ class DeviceLoader:
 
 def _check_targets(targets: Any, n: int) -> Tensor:
     if not isinstance(targets, Tensor):
-        raise TypeError(f"DeviceLoader: targets must be a tensor of class indices, got {type(targets).__name__}")
+        raise TypeError(
+            f"DeviceLoader: targets must be a tensor of class indices, got {type(targets).__name__}"
+        )
     if targets.ndim != 1 or targets.shape[0] != n:
-        raise ValueError(f"DeviceLoader: targets must be (N,) with N = {n} images, got {tuple(targets.shape)}")
+        raise ValueError(
+            f"DeviceLoader: targets must be (N,) with N = {n} images, got {tuple(targets.shape)}"
+        )
     if targets.dtype.is_floating_point or targets.dtype.is_complex:
         if not bool((targets == targets.round()).all()):
             raise TypeError(

@@ -70,8 +70,11 @@ class MixupCutmix(BatchOp):
     def _draw(self, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
             use_cutmix = rng.random(k) < self.switch_prob
-            lam = np.where(use_cutmix, rng.beta(self.cutmix_alpha, self.cutmix_alpha, k),
-                           rng.beta(self.mixup_alpha, self.mixup_alpha, k))
+            lam = np.where(
+                use_cutmix,
+                rng.beta(self.cutmix_alpha, self.cutmix_alpha, k),
+                rng.beta(self.mixup_alpha, self.mixup_alpha, k),
+            )
         elif self.mixup_alpha > 0:
             use_cutmix = np.zeros(k, dtype=bool)
             lam = rng.beta(self.mixup_alpha, self.mixup_alpha, k)

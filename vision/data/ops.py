@@ -51,14 +51,20 @@ class RaggedBatch:
             raise ValueError("RaggedBatch.from_images: got an empty list of images")
         channels = {int(im.shape[0]) for im in images}
         if len(channels) != 1:
-            raise ValueError(f"RaggedBatch.from_images: images have different channel counts {sorted(channels)}")
+            raise ValueError(
+                f"RaggedBatch.from_images: images have different channel counts {sorted(channels)}"
+            )
         heights = torch.tensor([int(im.shape[-2]) for im in images], dtype=torch.int64)
         widths = torch.tensor([int(im.shape[-1]) for im in images], dtype=torch.int64)
         device = torch.device(device) if device is not None else images[0].device
         # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy, and
         # the CPU resize (functional.geometry.resize_boxes) reads channels_last.
-        canvas = torch.empty((len(images), channels.pop(), int(heights.max()), int(widths.max())),
-                             dtype=images[0].dtype, device=device, memory_format=torch.channels_last)
+        canvas = torch.empty(
+            (len(images), channels.pop(), int(heights.max()), int(widths.max())),
+            dtype=images[0].dtype,
+            device=device,
+            memory_format=torch.channels_last,
+        )
 
         def place(rows: range) -> None:
             for i in rows:

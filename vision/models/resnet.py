@@ -130,14 +130,14 @@ class ResNet(nn.Module):
     """
 
     def __init__(
-            self,
-            block: type[BasicBlock] | type[Bottleneck],
-            layers: Sequence[int],
-            num_classes: int = 1000,
-            in_channels: int = 3,
-            width: int = 64,
-            stem: Literal["imagenet", "cifar"] = "imagenet",
-            zero_init_residual: bool = False,
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: Sequence[int],
+        num_classes: int = 1000,
+        in_channels: int = 3,
+        width: int = 64,
+        stem: Literal["imagenet", "cifar"] = "imagenet",
+        zero_init_residual: bool = False,
     ) -> None:
         super().__init__()
         if len(layers) != 4 or any(n < 1 for n in layers):

@@ -32,6 +32,7 @@ def _small_airbench_optim() -> OptimConfig:
         final_lr_factor=0.05,
     )
 
+
 register_recipe(
     Recipe(
         name="cifar10-airbench",
@@ -166,7 +167,12 @@ register_recipe(
         model="vit_tiny_patch4_32",
         dataset="cifar10",
         augment=AugmentConfig(
-            crop_padding=4, flip="random", trivial_augment=True, mixup_alpha=0.8, cutmix_alpha=1.0, random_erase=0.25
+            crop_padding=4,
+            flip="random",
+            trivial_augment=True,
+            mixup_alpha=0.8,
+            cutmix_alpha=1.0,
+            random_erase=0.25,
         ),
         optim=OptimConfig(
             optimizer="adamw",
