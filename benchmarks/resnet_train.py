@@ -53,7 +53,6 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ResultStream, out_of_time, print_table, time_ms, write_results
-
 from kernels.batch_norm_act import batch_norm_act
 from kernels.group_norm_act import group_norm_act
 from kernels.layer_norm2d_act import layer_norm2d_act

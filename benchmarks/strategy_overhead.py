@@ -38,9 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
-
 import lightning_plugin  # noqa: E402
+from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
 
 
 class SmallCNN(nn.Module):

@@ -17,12 +17,11 @@ from typing import Any, Literal, Protocol, cast, runtime_checkable
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
-
-from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from vision.data.loader import first_images
 from vision.ema import ModelEMA, ema_warmup_decay, lookahead_decay

@@ -17,6 +17,7 @@ import time
 import zipfile
 
 import pytest
+
 from script_loader import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 import torch
-from photo_folder import CLASSES, TRAIN_FILES, VAL_FILES, image_files, reference_rgb
 
+from photo_folder import CLASSES, TRAIN_FILES, VAL_FILES, image_files, reference_rgb
 from vision.data import DeviceLoader, ImageFolderDataModule, Pipeline, RaggedBatch, ResizeCenterCrop
 from vision.data.datasets import (
     CorruptImageError,

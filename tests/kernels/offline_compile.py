@@ -82,12 +82,12 @@ def compile_conv_kernel(config: tuple, io_dtype: str, layer: dict, dot_precision
     of 16 are marked divisible, ``do_not_specialize`` honoured), pointers 16-byte aligned as PyTorch allocates
     them; one ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` config, ``io_dtype`` ("bf16", "fp16",
     "fp32") activations and the given flags."""
+    import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    import triton
     from kernels.conv_bn_act import _conv_bn_act_kernel
 
     fn = _conv_bn_act_kernel.fn

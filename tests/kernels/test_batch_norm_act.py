@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from kernel_checks import (
     DEVICE,
     EAGER_ACTIVATIONS,
@@ -34,9 +36,6 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-
 from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
 from kernels.batch_norm_act import (
     FusedBatchNormAct,
@@ -48,6 +47,7 @@ from kernels.batch_norm_act_reference import (
     batch_norm_act_backward_reference,
     batch_norm_act_forward_reference,
 )
+from offline_compile import run_offline_compile
 
 BN = importlib.import_module("kernels.batch_norm_act")
 # Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows there

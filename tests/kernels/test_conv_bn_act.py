@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
+import kernels.conv_bn_act as conv_mod
 from kernel_checks import (
     DEVICE,
     TRITON_PATH,
@@ -25,14 +28,11 @@ from kernel_checks import (
     size1_restrides,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-
-import kernels.conv_bn_act as conv_mod
 from kernels._common import ACTIVATIONS, interpreter_enabled, needs_int64
 from kernels.conv_bn_act import FusedConvBNAct, conv_bn_act, conv_bn_act_forward, why_conv_bn_act_not_fusable
 from kernels.conv_bn_act_reference import conv2d_output_hw, conv_bn_act_reference
 from kernels.tolerances import tolerance
+from offline_compile import run_offline_compile
 
 EAGER_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 OP = torch.ops.lcv.conv_bn_act.default

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from kernel_checks import (
     DEVICE,
     EAGER_ACTIVATIONS,
@@ -34,16 +37,13 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
 from kernels.group_norm_act import FusedGroupNormAct, group_norm_act, group_norm_act_forward
 from kernels.group_norm_act_reference import (
     group_norm_act_backward_reference,
     group_norm_act_forward_reference,
 )
+from offline_compile import run_offline_compile
 
 # ``kernels.group_norm_act`` is the function re-exported by ``kernels/__init__.py``; the module is this one.
 GN = importlib.import_module("kernels.group_norm_act")

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from kernel_checks import (
     DEVICE,
     EAGER_ACTIVATIONS,
@@ -34,9 +36,6 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-
 from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
 from kernels.layer_norm2d_act import (
     MAX_LAYERNORM_CHANNELS,
@@ -48,6 +47,7 @@ from kernels.layer_norm2d_act_reference import (
     layer_norm2d_act_backward_reference,
     layer_norm2d_act_forward_reference,
 )
+from offline_compile import run_offline_compile
 
 # ``kernels.layer_norm2d_act`` is the function re-exported by ``kernels/__init__.py``; the module is this one.
 LN = importlib.import_module("kernels.layer_norm2d_act")

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_close, requires_triton_path, size1_restrides
 from torch import nn
 
+from kernel_checks import DEVICE, assert_close, requires_triton_path, size1_restrides
 from kernels._common import (
     activation_name,
     canonical_strides,

@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from script_loader import load_script
 from torch import nn
 
 from kernels.tolerances import tolerance
@@ -49,6 +48,7 @@ from lightning_plugin.substitution import (
     substituted_modules,
     undo_substitutions,
 )
+from script_loader import load_script
 from vision.models import airbench, resnet
 
 ALL = frozenset(KNOWN_KERNELS)

@@ -17,7 +17,6 @@ import time
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import lightning_plugin
 from boring import TRAINER_KWARGS, TinyModule, make_loader

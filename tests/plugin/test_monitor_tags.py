@@ -13,10 +13,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.plugins.hparams import plugin_data_pb2
-from test_monitor import ImageData, WithGraphBreak, _events
 
 from lightning_plugin import CompiledStrategy, CompileStats
 from lightning_plugin.callbacks import CompileReport, HParamsRecord, ImageGrid, StepMonitor, TrainingMonitor
+from test_monitor import ImageData, WithGraphBreak, _events
 
 #: ``compile/<field>`` and ``final/compile_<field>`` for every field of ``CompileStats.as_dict()``: the
 #: monitor follows the stats, so a field added there shows up here by design.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from boring import TinyModule
 from lightning.pytorch.strategies import StrategyRegistry
 
+from boring import TinyModule
 from lightning_plugin import CompileConfig, CompiledDDPStrategy, CompiledStrategy
 
 

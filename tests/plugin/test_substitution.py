@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from boring import TRAINER_KWARGS
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from boring import TRAINER_KWARGS
 from kernels.tolerances import tolerance
 from lightning_plugin import KNOWN_KERNELS, CompiledStrategy
 from lightning_plugin.substitution import (

@@ -16,6 +16,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from script_loader import load_script
 
 pytest.importorskip("airbench", reason="airbench is in the dev extra: pip install -e '.[dev]'")

@@ -10,6 +10,7 @@ from vision.data.color import ColorJitter, Normalize
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import HorizontalFlip, RandomCrop, RandomResizedCrop
 from vision.data.mixing import MixupCutmix
+from vision.data.trivial_augment import TRIVIAL_AUGMENT_OPS
 from vision.recipes import (
     AlternatingFlipCrop,
     AugmentConfig,
@@ -17,7 +18,6 @@ from vision.recipes import (
     build_train_pipeline,
     get_recipe,
 )
-from vision.data.trivial_augment import TRIVIAL_AUGMENT_OPS
 
 
 def _store(n: int = 16) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from script_loader import load_script
 
 

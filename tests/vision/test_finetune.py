@@ -10,7 +10,7 @@ import urllib.error
 import pytest
 import torch
 
-from vision.finetune import WeightsError, load_initial_weights
+from vision.finetune import WeightsError
 from vision.models import create_model
 from vision.module import ClassificationModule
 

@@ -11,8 +11,15 @@ import torchvision
 import vision.models._registry as model_registry
 import vision.recipes._registry as recipe_registry
 from vision.models import create_model, list_models, register_model
-from vision.recipes import AugmentConfig, OptimConfig, Recipe, UnknownRecipeError, get_recipe, list_recipes
-from vision.recipes import register_recipe
+from vision.recipes import (
+    AugmentConfig,
+    OptimConfig,
+    Recipe,
+    UnknownRecipeError,
+    get_recipe,
+    list_recipes,
+    register_recipe,
+)
 
 
 @pytest.fixture

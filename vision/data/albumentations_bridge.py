@@ -9,7 +9,8 @@ A ``Pad`` directly followed by a ``RandomCrop`` becomes one fused padded crop.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -5,7 +5,8 @@ The arithmetic lives in :mod:`vision.data.functional.color`; these classes draw 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

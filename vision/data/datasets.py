@@ -22,9 +22,10 @@ import os
 import threading
 import warnings
 import zipfile
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F

@@ -9,8 +9,8 @@ resizing ops return float32 in 0..255 units, except on the CPU for uint8 images 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, Literal
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -234,7 +235,7 @@ class DeviceLoader:
         return self.pipeline.batch_normalization()
 
     @property
-    def sampler(self) -> "DeviceLoader":
+    def sampler(self) -> DeviceLoader:
         # Lightning's `_set_sampler_epoch` looks for `loader.sampler.set_epoch`.
         return self
 

@@ -20,8 +20,9 @@ What an op can fuse is declared on the op, never inferred from its type by the p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ class RaggedBatch:
     widths: Tensor
 
     @classmethod
-    def from_images(cls, images: Sequence[Tensor], device: torch.device | str | None = None) -> "RaggedBatch":
+    def from_images(cls, images: Sequence[Tensor], device: torch.device | str | None = None) -> RaggedBatch:
         if len(images) == 0:
             raise ValueError("RaggedBatch.from_images: got an empty list of images")
         channels = {int(im.shape[0]) for im in images}
@@ -83,7 +84,7 @@ class RaggedBatch:
     def __len__(self) -> int:
         return int(self.canvas.shape[0])
 
-    def __getitem__(self, rows: slice) -> "RaggedBatch":
+    def __getitem__(self, rows: slice) -> RaggedBatch:
         """The images ``rows`` (a slice) of the batch."""
         return RaggedBatch(self.canvas[rows], self.heights[rows], self.widths[rows])
 

@@ -24,8 +24,8 @@ and the outputs of large images reuse the memory of batches the caller dropped (
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -6,6 +6,7 @@
 
 from vision.data.geometry import AlternatingFlipCrop
 from vision.data.trivial_augment import TrivialAugmentWide
+from vision.recipes import library  # noqa: F401  (registers the built-in recipes)
 from vision.recipes._build import (
     build,
     build_datamodule,
@@ -21,7 +22,6 @@ from vision.recipes._data import DATAMODULES, CIFAR10Data, DigitsData, ImageFold
 from vision.recipes._pipeline import build_train_pipeline
 from vision.recipes._recipe import DATASETS, AugmentConfig, OptimConfig, Recipe
 from vision.recipes._registry import UnknownRecipeError, get_recipe, list_recipes, register_recipe
-from vision.recipes import library  # noqa: F401,E402  (registers the built-in recipes)
 
 __all__ = [
     "AlternatingFlipCrop",
