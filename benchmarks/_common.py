@@ -186,7 +186,8 @@ def _fmt(value: Any) -> str:
 
 
 def time_ms(fn: Any, warmup: int, repeats: int) -> float:
-    """Median milliseconds of one ``fn()`` after ``warmup`` calls (CUDA events on a GPU, else perf_counter)."""
+    """Median milliseconds of one ``fn()`` after ``warmup`` calls (CUDA events on a GPU, else
+    perf_counter)."""
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()

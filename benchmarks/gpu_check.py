@@ -54,7 +54,8 @@ SHARED_CIFAR_ZIP = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "
 GRACE_S = 15
 #: A step is not started with less than this left.
 MIN_STEP_S = 20
-#: The whole run on a GPU: the device tool's call gets 8 minutes, and set-up (wheels, data) takes well under 1.
+#: The whole run on a GPU: the device tool's call gets 8 minutes, and set-up (wheels, data) takes well
+#: under 1.
 DEFAULT_BUDGET_S = 420
 DRY_RUN_BUDGET_S = 90
 

@@ -1,5 +1,5 @@
-"""Loader throughput, images/s: our compiled batched pipeline vs albumentations and torchvision v2 per sample in a
-DataLoader, and kornia batched, on the same ops and the same images.
+"""Loader throughput, images/s: our compiled batched pipeline vs albumentations and torchvision v2 per sample
+in a DataLoader, and kornia batched, on the same ops and the same images.
 
   cifar:    reflect-pad 4 + random crop 32 + horizontal flip + normalize, from uint8 in memory.
   imagenet: JPEG decode + random resized crop 224 + flip + colour jitter (0.4, 0.4, 0.4, 0.1) + normalize.
@@ -46,7 +46,8 @@ MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
 def load_jpegs(n: int, size: int) -> list[bytes]:
-    """``n`` real CIFAR-10 JPEGs (re-encoded at ``size`` x ``size`` when ``size`` > 0); synthetic if no zip."""
+    """``n`` real CIFAR-10 JPEGs (re-encoded at ``size`` x ``size`` when ``size`` > 0); synthetic if no
+    zip."""
     from PIL import Image
 
     if os.path.exists(ZIP):

@@ -1,5 +1,5 @@
-"""Training throughput: eager vs Inductor vs our compiled strategy with kernel substitutions (none, auto, all),
-plus the normalization kernels alone against device-to-device copy bandwidth. One process, one script.
+"""Training throughput: eager vs Inductor vs our compiled strategy with kernel substitutions (none, auto,
+all), plus the normalization kernels alone against device-to-device copy bandwidth. One process, one script.
 
 Training (default: torchvision ResNet-50, batch 256, 224 px, bf16 autocast, channels_last, SGD momentum;
 ``--model airbench94``: the airbench94 net, batch 1024, 32 px): each variant starts from the same weights,

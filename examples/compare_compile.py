@@ -2,7 +2,8 @@
 
     python examples/compare_compile.py                                  # digits-small, CPU ok
     python examples/compare_compile.py --recipe cifar10-airbench --data-root data/ --steps 100
-    python examples/compare_compile.py --smoke                          # tiny, backend "eager" (what the test runs)
+    python examples/compare_compile.py --smoke                          # tiny, backend "eager" (what the test
+    runs)
 
 Each mode trains ``--steps`` steps ``--repeats`` times (alternating eager, compiled, eager, ...), each time
 with a fresh module. Reported per mode: the median step time after ``--warmup`` steps (steady state), the
@@ -40,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class StepTimer:
-    """Lightning callback: wall time of every training step (batch start to batch end), device-synchronised."""
+    """Lightning callback: wall time of every training step (batch start to batch end),
+    device-synchronised."""
 
     def __init__(self) -> None:
         import lightning.pytorch as pl

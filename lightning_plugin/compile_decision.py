@@ -322,7 +322,8 @@ def _from_entry(entry: dict[str, Any] | None) -> CompileDecision | None:
 
 
 def decision_fingerprint(device: torch.device) -> str:
-    """Where a measurement holds: the device and compiler stack, the CPU's instruction set, the thread count."""
+    """Where a measurement holds: the device and compiler stack, the CPU's instruction set, the thread
+    count."""
     return (
         f"{machine_fingerprint(device)}|{torch.backends.cpu.get_cpu_capability()}|"
         f"{torch.get_num_threads()} threads"
@@ -331,7 +332,8 @@ def decision_fingerprint(device: torch.device) -> str:
 
 def model_signature(module: nn.Module, batch: Any, precision: str, compiler: ModuleCompiler) -> str:
     """What the measured ratio depends on besides the machine: the model's structure, parameter shapes and
-    dtypes, the training batch's shapes, the precision and the compile settings (a readable prefix + a hash)."""
+    dtypes, the training batch's shapes, the precision and the compile settings (a readable prefix + a
+    hash)."""
     config = compiler.config
     backend = (
         config.backend

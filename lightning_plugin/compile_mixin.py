@@ -209,7 +209,8 @@ class CompiledStrategyMixin:
             # CUDA graphs reuse output buffers: mark the step so last step's outputs are not overwritten.
             torch.compiler.cudagraph_mark_step_begin()
 
-    # The three parts of a training step; compile="auto" times a step from its batch's start to the last of them.
+    # The three parts of a training step; compile="auto" times a step from its batch's start to the last of
+    # them.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)  # type: ignore[misc]

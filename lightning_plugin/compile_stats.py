@@ -111,7 +111,8 @@ class CompileStats:
     @property
     def cache_hits_and_misses(self) -> tuple[int, int]:
         """(graphs loaded from the on-disk compile caches, graphs compiled) since :meth:`start`: AOTAutograd's
-        cache where it was consulted, else Inductor's FX graph cache. Counted process-wide (dynamo's counters)."""
+        cache where it was consulted, else Inductor's FX graph cache. Counted process-wide (dynamo's
+        counters)."""
         now, before = _cache_counts(), self._cache_counts_at_start
         diff = {k: v - before.get(k, 0) for k, v in now.items()}
         if diff["autograd_cache_hit"] or diff["autograd_cache_miss"]:

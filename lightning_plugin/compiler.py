@@ -169,7 +169,8 @@ class ModuleCompiler:
     @contextlib.contextmanager
     def _uncompiled(self, root: nn.Module) -> Iterator[None]:
         """The module's own forwards while ``kernels="auto"`` measures and undoes rewrites (its copies and
-        undos must not meet our wrappers), then fresh wrappers over the forwards it left. Nothing was traced."""
+        undos must not meet our wrappers), then fresh wrappers over the forwards it left. Nothing was
+        traced."""
         self._unpatch_targets()
         try:
             yield

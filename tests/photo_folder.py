@@ -101,8 +101,8 @@ def write_photo_folder(root: Path) -> Path:
 
 
 def reference_rgb(path: Path | str) -> torch.Tensor:
-    """The file decoded by PIL as uint8 (3, H, W) RGB. 16-bit images keep their high byte (PIL's own reading of
-    16-bit RGB; for 16-bit grayscale PIL's ``convert("RGB")`` clips to 255, so the shift is done here)."""
+    """The file decoded by PIL as uint8 (3, H, W) RGB. 16-bit images keep their high byte (PIL's own reading
+    of 16-bit RGB; for 16-bit grayscale PIL's ``convert("RGB")`` clips to 255, so the shift is done here)."""
     image = Image.open(path)
     if image.mode.startswith("I;16") or image.mode == "I":
         gray = (np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8)

@@ -1,10 +1,11 @@
 """The callbacks ``lcv fit`` adds besides the plugin's: checkpoints that mean what their names say, a progress
 bar and a model summary without noise, a throughput meter, and a logging interval that fits short epochs.
 
-Each one fixes something a user of ``lcv`` read wrong with Lightning's defaults: ``last.ckpt`` holding an early
-epoch (Lightning 2.6 rewrites it only when the monitored metric improves), ``Epoch 1/1`` shown for the second of
-two epochs, a ``v_num: 0.000`` metric, a FLOPs column of zeros, an unexplained "Non-trainable params" count
-(the EMA copy), and ``train/loss`` never logged when an epoch has fewer batches than the logging interval.
+Each one fixes something a user of ``lcv`` read wrong with Lightning's defaults: ``last.ckpt`` holding an
+early epoch (Lightning 2.6 rewrites it only when the monitored metric improves), ``Epoch 1/1`` shown for the
+second of two epochs, a ``v_num: 0.000`` metric, a FLOPs column of zeros, an unexplained "Non-trainable
+params" count (the EMA copy), and ``train/loss`` never logged when an epoch has fewer batches than the logging
+interval.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class ThroughputMeter(Callback):
 
 
 class BestAndLastCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose ``last.ckpt`` is always the latest state: rewritten after every validation and at
-    the end of every training epoch and of training, whether or not the monitored metric improved.
+    """``ModelCheckpoint`` whose ``last.ckpt`` is always the latest state: rewritten after every validation
+    and at the end of every training epoch and of training, whether or not the monitored metric improved.
 
     It also remembers the best checkpoint of the run it resumed from when that run wrote to another folder
     (Lightning then does not restore it), so a summary can name the best of the whole training.
@@ -154,7 +155,8 @@ class BestAndLastCheckpoint(ModelCheckpoint):
 
 
 class LcvProgressBar(RichProgressBar):
-    """Rich progress bar that counts epochs from 1 (``Epoch 2/2`` for the last of two) and shows no ``v_num``."""
+    """Rich progress bar that counts epochs from 1 (``Epoch 2/2`` for the last of two) and shows no
+    ``v_num``."""
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
@@ -211,8 +213,8 @@ class LcvModelSummary(ModelSummary):
 
 
 class FitLoggingInterval(Callback):
-    """Lowers ``Trainer.log_every_n_steps`` to the number of training batches per epoch when an epoch is shorter,
-    so per-step metrics (``train/loss``) are logged at least once an epoch instead of never.
+    """Lowers ``Trainer.log_every_n_steps`` to the number of training batches per epoch when an epoch is
+    shorter, so per-step metrics (``train/loss``) are logged at least once an epoch instead of never.
 
     Runs in ``setup``, after the datamodule's and before Lightning sizes the training loop."""
 

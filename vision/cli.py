@@ -159,9 +159,9 @@ class LcvCLI(LightningCLI):
 
     @override
     def _parse_ckpt_path(self) -> None:
-        """Lightning copies the checkpoint's model hyperparameters over the parsed options; here the checkpoint
-        must come from this recipe, and model options given on the command line (or in a --config file) win,
-        except the ones that decide the architecture, where a difference is an error."""
+        """Lightning copies the checkpoint's model hyperparameters over the parsed options; here the
+        checkpoint must come from this recipe, and model options given on the command line (or in a --config
+        file) win, except the ones that decide the architecture, where a difference is an error."""
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
@@ -174,17 +174,17 @@ class LcvCLI(LightningCLI):
         saved = hparams.get("recipe")
         if saved and saved != self.recipe.name:
             raise LcvError(
-                f"--ckpt_path {path!r} was saved by recipe {saved!r}, not {self.recipe.name!r}: its model does not "
-                f"fit recipe {self.recipe.name!r}. Leave out --recipe (the checkpoint's recipe is then used) or give a "
-                f"checkpoint of {self.recipe.name!r}"
+                f"--ckpt_path {path!r} was saved by recipe {saved!r}, not {self.recipe.name!r}: its model "
+                f"does not fit recipe {self.recipe.name!r}. Leave out --recipe (the checkpoint's recipe is "
+                f"then used) or give a checkpoint of {self.recipe.name!r}"
             )
         model = self.config[subcommand]["model"]
         given = {key: model[key] for key in self._given_model_options() if key in model}
         for key in _ARCHITECTURE_OPTIONS:
             if key in given and key in hparams and given[key] != hparams[key]:
                 raise LcvError(
-                    f"--model.{key} {given[key]!r} conflicts with --ckpt_path {path!r}, whose weights are for "
-                    f"{key}={hparams[key]!r}; leave out --model.{key}"
+                    f"--model.{key} {given[key]!r} conflicts with --ckpt_path {path!r}, whose weights are "
+                    f"for {key}={hparams[key]!r}; leave out --model.{key}"
                 )
         super()._parse_ckpt_path()
         for key, value in given.items():
@@ -320,7 +320,8 @@ _DISABLES = {  # Trainer flag that, when false, rules out these default callback
 
 
 def _check_run_length(trainer: Any) -> None:
-    """Refuse runs that would train nothing, or that never end (the learning-rate schedule needs their length)."""
+    """Refuse runs that would train nothing, or that never end (the learning-rate schedule needs their
+    length)."""
     get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
     epochs, steps, limit = get("max_epochs"), get("max_steps"), get("limit_train_batches")
     if epochs == 0:
@@ -333,8 +334,8 @@ def _check_run_length(trainer: Any) -> None:
         )
     if epochs is not None and epochs < 0 and (steps is None or steps < 0):
         raise LcvError(
-            f"--trainer.max_epochs {epochs} trains until stopped, but the learning-rate schedule needs the run's "
-            "length: give --trainer.max_steps N (or a number of epochs)"
+            f"--trainer.max_epochs {epochs} trains until stopped, but the learning-rate schedule needs the "
+            "run's length: give --trainer.max_steps N (or a number of epochs)"
         )
 
 
@@ -355,22 +356,23 @@ def _check_data(recipe: Recipe, data: Any) -> None:
         root, zip_path, download = get("root"), get("zip_path"), get("download")
         if root is None and zip_path is None:
             raise LcvError(
-                f"recipe {recipe.name!r} trains on CIFAR-10: give --data.root DIR (torchvision's CIFAR-10 there; "
-                "add --data.download true to fetch it) or --data.zip_path FILE (JPEGs in ImageFolder layout "
-                "with train/ and test/)"
+                f"recipe {recipe.name!r} trains on CIFAR-10: give --data.root DIR (torchvision's CIFAR-10 "
+                "there; add --data.download true to fetch it) or --data.zip_path FILE (JPEGs in ImageFolder "
+                "layout with train/ and test/)"
             )
         if zip_path is not None and not Path(zip_path).exists():
             raise LcvError(f"--data.zip_path {zip_path!r} does not exist")
         if zip_path is None and not download and not Path(root).is_dir():
             raise LcvError(
-                f"--data.root {root!r} is not a directory; add --data.download true to download CIFAR-10 there"
+                f"--data.root {root!r} is not a directory; add --data.download true to download CIFAR-10 "
+                "there"
             )
     elif recipe.dataset == "imagefolder":
         root = get("root")
         if root is None:
             raise LcvError(
-                f"recipe {recipe.name!r} trains on an ImageFolder tree: give --data.root DIR (or a .zip) with "
-                "train/<class>/* and val/<class>/*"
+                f"recipe {recipe.name!r} trains on an ImageFolder tree: give --data.root DIR (or a .zip) "
+                "with train/<class>/* and val/<class>/*"
             )
         if not Path(root).exists():
             raise LcvError(
@@ -392,7 +394,8 @@ def _option(argv: list[str], *names: str) -> list[str]:
 
 
 def _recipe_name(argv: list[str]) -> str | None:
-    """The recipe: ``--recipe``, else a ``--config`` file's ``recipe:``, else the checkpoint's hyperparameters."""
+    """The recipe: ``--recipe``, else a ``--config`` file's ``recipe:``, else the checkpoint's
+    hyperparameters."""
     given = _option(argv, "--recipe")
     if given:
         return given[-1]
@@ -449,8 +452,8 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``lcv`` (the console script); ``args`` replaces ``sys.argv[1:]``.
 
     Usage errors print ``lcv: error: ...`` and exit with status 2; problems with the user's files (a corrupt
-    image, a missing folder, classes that differ between train and val, weights that cannot be downloaded or do
-    not fit) print the same one line and exit with status 1.
+    image, a missing folder, classes that differ between train and val, weights that cannot be downloaded or
+    do not fit) print the same one line and exit with status 1.
     """
     run(args)
 

@@ -16,7 +16,8 @@ __all__ = ["CompilerSummary"]
 
 
 class CompilerSummary(Callback):
-    """Keeps the compiled strategy's account of the fit; :meth:`lines` formats it (nothing with a plain one)."""
+    """Keeps the compiled strategy's account of the fit; :meth:`lines` formats it (nothing with a plain
+    one)."""
 
     def __init__(self) -> None:
         self.batch_size: int | None = None

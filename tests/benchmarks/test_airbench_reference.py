@@ -1,4 +1,5 @@
-"""The airbench yardstick runs the published ``train94`` on a JPEG zip, on the CPU, and leaves torch as it was.
+"""The airbench yardstick runs the published ``train94`` on a JPEG zip, on the CPU, and leaves torch as it
+was.
 
 A small synthetic ImageFolder zip (1,024 train images: one airbench step of batch 1,024) keeps it offline.
 """

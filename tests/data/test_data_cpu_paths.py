@@ -1,6 +1,6 @@
 """The CPU fast paths of the pipeline: the uint8 resize of whole-pixel boxes (against OpenCV, what
-albumentations runs, and against our float resampler, the compiled/GPU path), compiled-vs-eager parity with it,
-and the recycled output buffers (a batch the caller holds is never overwritten)."""
+albumentations runs, and against our float resampler, the compiled/GPU path), compiled-vs-eager parity with
+it, and the recycled output buffers (a batch the caller holds is never overwritten)."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def test_output_buffers_are_reused_only_once_the_caller_drops_the_batch(real_ima
 
 
 def test_a_dropped_batch_memory_is_reused_without_page_faults(real_images):
-    """A fresh 38 MB output comes from mmap and faults in every page (a third of the augmentation's CPU time on
-    224 px images); reusing a dropped batch's buffer faults in none."""
+    """A fresh 38 MB output comes from mmap and faults in every page (a third of the augmentation's CPU time
+    on 224 px images); reusing a dropped batch's buffer faults in none."""
     resource = pytest.importorskip("resource")
     pipe = Pipeline([RandomResizedCrop(224), Normalize()], compile=False)
     x = real_images[:64]

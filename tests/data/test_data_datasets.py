@@ -122,7 +122,7 @@ def test_digits_split_is_stratified_deterministic_and_disjoint():
     assert x.shape == (32, 3, 32, 32) and dm.mean == (0.5,) * 3
 
 
-# ----------------------------------------------------------------------------------------- unreadable, zips, progress
+# --------------------------------------------------------------------------------- unreadable, zips, progress
 def test_unreadable_file_is_named_or_skipped(tmp_path):
     _write_folder(tmp_path, [(12, 12)])
     (tmp_path / "train" / "cat" / "gone.jpg").symlink_to(tmp_path / "does-not-exist.jpg")  # open() fails
@@ -237,7 +237,8 @@ def test_image_folder_datamodule_encoded_storage_from_zip(cifar_zip):
 
 
 def test_cifar_from_torchvision_is_stored_as_uint8_nchw(monkeypatch, tmp_path):
-    """The torchvision path (download=True for users) without downloading: a stand-in with CIFAR10's fields."""
+    """The torchvision path (download=True for users) without downloading: a stand-in with CIFAR10's
+    fields."""
     import torchvision
 
     rng = np.random.default_rng(0)

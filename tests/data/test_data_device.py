@@ -1,4 +1,5 @@
-"""The pipeline on a CUDA device gives the CPU's images (needs only torch: runs where albumentations is absent)."""
+"""The pipeline on a CUDA device gives the CPU's images (needs only torch: runs where albumentations is
+absent)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DeviceLoader: determinism, per-sample independence, sharding, state round trip, Lightning resume, errors."""
+"""DeviceLoader: determinism, per-sample independence, sharding, state round trip, Lightning resume,
+errors."""
 
 from __future__ import annotations
 
@@ -321,7 +322,7 @@ def test_validation_after_the_sanity_check_sees_every_sample():
     assert torch.equal(real, expected)
 
 
-# ----------------------------------------------------------------------------------------- CUDA (skipped on CPU)
+# -------------------------------------------------------------------------------------- CUDA (skipped on CPU)
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine"
 )

@@ -270,9 +270,9 @@ def test_color_jitter_with_albumentations_params_matches_on_uint8(real_images):
             torch.tensor([p["order"]]),
         )
         diff = np.abs(hwc(ours[0]) - ref.astype(np.float32))
-        # albumentations truncates to uint8 after brightness/contrast (up to 1 level down per step, then scaled
-        # by later factors) and rounds after saturation; we keep the exact float value between steps. Worst case
-        # with factors <= 1.4: 1 level x 1.4 x 1.4 + 1 level x 1.4 + 0.5 rounding = 3.86 levels.
+        # albumentations truncates to uint8 after brightness/contrast (up to 1 level down per step, then
+        # scaled by later factors) and rounds after saturation; we keep the exact float value between steps.
+        # Worst case with factors <= 1.4: 1 level x 1.4 x 1.4 + 1 level x 1.4 + 0.5 rounding = 3.86 levels.
         assert diff.max() <= 3.9 and diff.mean() < 1.5, (i, diff.max(), diff.mean())
 
 
@@ -314,7 +314,7 @@ def test_normalize_matches_albumentations(real_images, layout):
         assert np.abs(hwc(out[i]) - ref).max() < 1e-5
 
 
-# ------------------------------------------------------------------------------------------------ erasing / mix
+# ---------------------------------------------------------------------------------------------- erasing / mix
 def test_coarse_dropout_matches_albumentations_given_holes(real_images):
     x = real_images[:8]
     op = CoarseDropout((1, 3), (0.1, 0.3), (0.1, 0.3), fill=0, p=1.0)
@@ -568,8 +568,8 @@ def test_mixup_cutmix_elem_mode_draws_for_each_element():
 
 @pytest.mark.parametrize("mode", ["constant", "reflect", "symmetric", "edge"])
 def test_crop_from_a_resident_store_equals_cropping_the_gathered_batch(mode):
-    """The store path (the batch's rows gathered by the crop itself, border pixels as mapped indices, no padded
-    copy) gives the batch path's pixels in channels_last, and sees in-place changes of the store."""
+    """The store path (the batch's rows gathered by the crop itself, border pixels as mapped indices, no
+    padded copy) gives the batch path's pixels in channels_last, and sees in-place changes of the store."""
     g = torch.Generator().manual_seed(5)
     store = torch.randint(0, 256, (50, 3, 12, 10), dtype=torch.uint8, generator=g)
     index, top, left = (

@@ -194,7 +194,7 @@ def test_erasing_params_match_albumentations_in_distribution():
     assert abs(h[:, 0].mean().item() - ref[:, 0].mean()) < 0.6  # left offsets
 
 
-# ------------------------------------------------------------------------------------------ per-sample contracts
+# --------------------------------------------------------------------------------------- per-sample contracts
 _RANDOM_OPS = [
     RandomCrop(24, padding=3, padding_mode="reflect"),
     RandomResizedCrop(20),

@@ -1,7 +1,7 @@
 """Compile Triton kernels for a GPU target on a machine without one.
 
-The interpreter (``TRITON_INTERPRET=1``) never compiles a kernel, so GPU-only compile errors would go unseen in
-CI; Triton can still compile for Hopper (sm90) offline. The test modules hand :func:`run_offline_compile` a
+The interpreter (``TRITON_INTERPRET=1``) never compiles a kernel, so GPU-only compile errors would go unseen
+in CI; Triton can still compile for Hopper (sm90) offline. The test modules hand :func:`run_offline_compile` a
 script that builds their kernels; the script runs in a fresh process (the interpreter is off there) and can
 import :func:`pointer_offset_widths` from this module.
 """
@@ -27,8 +27,8 @@ def pointer_offset_widths(ttir: str) -> list[str]:
 
 
 def run_offline_compile(script: str, as_main: bool = False) -> None:
-    """Run ``script`` in a fresh process with the interpreter off; it must print ``compiled``. With ``as_main``
-    it runs from a file as ``__main__`` (what a process pool in it needs)."""
+    """Run ``script`` in a fresh process with the interpreter off; it must print ``compiled``. With
+    ``as_main`` it runs from a file as ``__main__`` (what a process pool in it needs)."""
     import tempfile
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join((_ROOT, _HERE))}

@@ -1,5 +1,6 @@
-"""The helpers every op shares: layouts and canonical strides, vectors, activation names, the channel-statistics
-merge (``kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not installed."""
+"""The helpers every op shares: layouts and canonical strides, vectors, activation names, the
+channel-statistics merge (``kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not
+installed."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def main(cache_file: str) -> None:
             {
                 "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
                 "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
-                # Kernel binaries only: computing the key of Inductor's precompiled header preprocesses it each time.
+                # Kernel binaries only: computing the key of Inductor's precompiled header preprocesses it
+                # each time.
                 "cpp_builds": sum(path.endswith(".so") for path in builds),
                 "graphs": strategy.compile_stats.graphs,
                 "saved": os.path.isfile(cache_file),

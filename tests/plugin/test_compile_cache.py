@@ -1,4 +1,5 @@
-"""The portable compile cache: saved after compiling, loaded by a fresh process, skipped when made elsewhere."""
+"""The portable compile cache: saved after compiling, loaded by a fresh process, skipped when made
+elsewhere."""
 
 from __future__ import annotations
 

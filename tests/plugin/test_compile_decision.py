@@ -1,8 +1,8 @@
 """compile="auto"/"always"/"never": the strategy measures compiled against eager steps and keeps the faster.
 
 The compiled side is made slow with a backend that adds a second to the step clock in every graph call, the
-eager side with a forward that does so only when dynamo is not tracing it (a virtual second: the machine's load
-cannot change the outcome); both keep the model's maths, so weights can be compared.
+eager side with a forward that does so only when dynamo is not tracing it (a virtual second: the machine's
+load cannot change the outcome); both keep the model's maths, so weights can be compared.
 """
 
 from __future__ import annotations

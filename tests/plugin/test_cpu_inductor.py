@@ -71,7 +71,7 @@ def resnet18_fragment() -> nn.Module:
     return nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1)
 
 
-# ---------------------------------------------------------------------------------------------- when it applies
+# -------------------------------------------------------------------------------------------- when it applies
 @pytest.mark.parametrize(
     ("backend", "mode", "options", "device", "expected"),
     [
@@ -103,7 +103,7 @@ def test_make_backend_tunes_inductor_on_cpu_and_keeps_user_options():
     )
 
 
-# ---------------------------------------------------------------------------------------------- active in a fit
+# -------------------------------------------------------------------------------------------- active in a fit
 class _Classifier(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

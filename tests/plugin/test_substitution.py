@@ -420,7 +420,8 @@ def test_float64_training_keeps_blocks_eager_and_says_why(caplog):
 
 
 def test_an_input_of_a_dtype_no_kernel_takes_runs_the_blocks_eager():
-    """A model rewritten in fp32 and then converted (``.double()``) runs its own modules instead of failing."""
+    """A model rewritten in fp32 and then converted (``.double()``) runs its own modules instead of
+    failing."""
     model = tiny_resnet()
     eager = copy.deepcopy(model).double()
     apply_substitutions(model, ALL)

@@ -71,7 +71,8 @@ def test_every_fit_of_many_runs_compiled(new_module_each_fit):
 
 
 def test_alternating_compile_settings_stay_compiled():
-    """A sweep over compile settings: each setting's graphs must not use up the others' room in dynamo's cache."""
+    """A sweep over compile settings: each setting's graphs must not use up the others' room in dynamo's
+    cache."""
     counters = [GraphRunCounter(), GraphRunCounter(), GraphRunCounter()]
     module = TinyModule()
     for fit_index in range(5):
@@ -198,7 +199,8 @@ class WallClock(Callback):
 def test_compile_time_counts_each_second_once():
     clock = WallClock()
     strategy = CompiledStrategy()  # inductor: the backward compile is a large share
-    # Inductor's on-disk caches would skip the backward compile whose time was counted twice: compile for real.
+    # Inductor's on-disk caches would skip the backward compile whose time was counted twice: compile for
+    # real.
     with (
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),

@@ -2,10 +2,10 @@
 
 Both sides start from the same network weights and see the same batches in the same order for 4 epochs of
 3 steps (the last lookahead update, at step 10, falls in the epoch where the whitening bias is frozen; the
-final reset drops steps 11-12 on both sides): that covers the lr/weight-decay conversion from airbench's summed loss, the BN-bias lr scale, the
-triangular schedule, label smoothing, the whitening-bias freeze after 3 epochs and the lookahead (every 5
-steps, and the final reset). Augmentation is left out (checked against airbench's crops elsewhere); the
-network is airbench94 at small widths.
+final reset drops steps 11-12 on both sides): that covers the lr/weight-decay conversion from airbench's
+summed loss, the BN-bias lr scale, the triangular schedule, label smoothing, the whitening-bias freeze after 3
+epochs and the lookahead (every 5 steps, and the final reset). Augmentation is left out (checked against
+airbench's crops elsewhere); the network is airbench94 at small widths.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _airbench_on_cpu():
 
 
 class _FixedBatches:
-    """The part of airbench's ``CifarLoader`` its ``train`` loop uses, yielding the same batches every epoch."""
+    """The part of airbench's ``CifarLoader`` its ``train`` loop uses, yielding the same batches every
+    epoch."""
 
     def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.batches = batches
@@ -73,7 +74,8 @@ def test_recipe_trains_like_airbench_train_loop(tmp_path, monkeypatch):
     with _airbench_on_cpu():
         net = make_net94(widths=WIDTHS)
         # train() sets the whitening filters again (same images, same values) after taking its lookahead copy;
-        # set them first too, so that copy holds them as ours does (on real runs the difference fades in 5 steps)
+        # set them first too, so that copy holds them as ours does (on real runs the difference fades in 5
+        # steps)
         airbench_utils.init_whitening_conv(net[0], torch.cat([x for x, _ in batches]))
         start = copy.deepcopy(net)
         reference = airbench_utils.train(

@@ -1,4 +1,5 @@
-"""The recipe-level batch ops (alternating flip, TrivialAugmentWide) and the AugmentConfig -> Pipeline mapping."""
+"""The recipe-level batch ops (alternating flip, TrivialAugmentWide) and the AugmentConfig -> Pipeline
+mapping."""
 
 from __future__ import annotations
 

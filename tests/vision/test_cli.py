@@ -1,4 +1,5 @@
-"""``lcv`` in-process: listing, errors, how recipe defaults and overrides combine, and a fit/test/predict round trip."""
+"""``lcv`` in-process: listing, errors, how recipe defaults and overrides combine, and a fit/test/predict
+round trip."""
 
 from __future__ import annotations
 

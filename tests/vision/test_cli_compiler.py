@@ -1,4 +1,5 @@
-"""``lcv fit`` on the CPU trains with the compiled strategy and its summary ends with what the compiler did."""
+"""``lcv fit`` on the CPU trains with the compiled strategy and its summary ends with what the compiler
+did."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 (no TypeError from the checkpoint callback, no checkpoint of untrained weights), checkpoints and the summary
 mean what they say, and nothing the user has to read past.
 
-The folder is ``tests/photo_folder.py``'s (scikit-learn's photos in 10 file formats, two classes); the model is
-the ``imagefolder-small`` recipe shrunk to a few thousand parameters at 24 px.
+The folder is ``tests/photo_folder.py``'s (scikit-learn's photos in 10 file formats, two classes); the model
+is the ``imagefolder-small`` recipe shrunk to a few thousand parameters at 24 px.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def test_val_split_fraction_from_the_command_line(capfd, photo_copy):
 
 
 def test_fit_summary_checkpoints_and_quiet_output(capfd, caplog, photo_folder):
-    """Two epochs: last.ckpt holds the end of epoch 2, the summary names the evaluated weights (EMA and final),
-    the best checkpoint, the throughput; none of Lightning's noise is printed."""
+    """Two epochs: last.ckpt holds the end of epoch 2, the summary names the evaluated weights (EMA and
+    final), the best checkpoint, the throughput; none of Lightning's noise is printed."""
     with pytest.warns() as caught:
         fit = run(["fit", *SMALL, "--data.root", photo_folder, "--trainer.max_epochs", "2"])
     out, err = capfd.readouterr()
@@ -136,8 +136,8 @@ def test_fit_summary_checkpoints_and_quiet_output(capfd, caplog, photo_folder):
         assert f"test accuracy ({weights} weights): {100 * acc:.2f}%" in out
     best = float(trainer.checkpoint_callback.best_model_score)
     assert (
-        f"best val/acc (EMA weights): {100 * best:.2f}%, checkpoint {trainer.checkpoint_callback.best_model_path}"
-        in out
+        f"best val/acc (EMA weights): {100 * best:.2f}%, checkpoint "
+        f"{trainer.checkpoint_callback.best_model_path}" in out
     )
     assert f"last checkpoint (epoch 2, step 10): {trainer.checkpoint_callback.last_model_path}" in out
     assert "train: 20 images in 2 classes decoded to 27x27 in" in caplog.text

@@ -1,4 +1,5 @@
-"""Every example script runs one tiny step (its ``--smoke`` mode), and the accuracy benchmark runs end to end."""
+"""Every example script runs one tiny step (its ``--smoke`` mode), and the accuracy benchmark runs end to
+end."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Fine-tuning: ``--model.weights PATH`` (a local state_dict) and ``--model.pretrained true`` (torchvision's
-weights, from torch.hub's cache or a download), the head replaced for the data set's classes, offline errors."""
+weights, from torch.hub's cache or a download), the head replaced for the data set's classes, offline
+errors."""
 
 from __future__ import annotations
 
@@ -121,8 +122,8 @@ def test_models_without_pretrained_weights_and_files_that_do_not_fit(tmp_path):
 def test_lcv_fit_from_a_weights_file_and_offline_pretrained(
     tmp_path, monkeypatch, capfd, caplog, photo_folder, hub
 ):
-    """Through ``lcv``: the file's backbone is trained on the photo folder's 2 classes; offline ``pretrained`` is
-    one error line."""
+    """Through ``lcv``: the file's backbone is trained on the photo folder's 2 classes; offline ``pretrained``
+    is one error line."""
     from vision.cli import main, run
 
     monkeypatch.setattr(sys, "argv", ["lcv"])

@@ -99,8 +99,9 @@ def test_ema_warmup_decay():
 
 
 def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
-    """imagefolder-resnet50's EMA (decay 0.99986 every 32 steps) on a 6-step run: the last step updates it with
-    the warm-up decay 0.1, parameters and BN running statistics alike (it used to keep the initial weights)."""
+    """imagefolder-resnet50's EMA (decay 0.99986 every 32 steps) on a 6-step run: the last step updates it
+    with the warm-up decay 0.1, parameters and BN running statistics alike (it used to keep the initial
+    weights)."""
     from vision.data import DigitsDataModule
     from vision.module import ClassificationModule
 
@@ -140,8 +141,8 @@ def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
 
 
 def test_best_of_a_run_resumed_into_another_folder_is_kept(tmp_path):
-    """A resumed lcv run writes to a new version folder; Lightning then drops the interrupted run's best score,
-    and the summary lost its "best val/acc" line."""
+    """A resumed lcv run writes to a new version folder; Lightning then drops the interrupted run's best
+    score, and the summary lost its "best val/acc" line."""
     checkpoint = BestAndLastCheckpoint(tmp_path / "version_1", monitor="val/acc", mode="max")
     earlier = str(tmp_path / "version_0" / "best.ckpt")
     checkpoint.load_state_dict(

@@ -1,4 +1,5 @@
-"""Models against independent references: torchvision's ResNets, a hand-written attention, the whitening math."""
+"""Models against independent references: torchvision's ResNets, a hand-written attention, the whitening
+math."""
 
 from __future__ import annotations
 

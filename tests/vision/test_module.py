@@ -79,8 +79,9 @@ def test_airbench_parameter_groups():
 def test_airbench_recipe_updates_match_airbench_summed_loss_sgd():
     """Our mean-loss lr / weight decay step the weights exactly as airbench94's own SGD set-up does.
 
-    airbench: loss summed over the batch, ``kilostep = 1024 * (1 + 1 / (1 - 0.85))``, ``lr = 11.5 / kilostep``,
-    ``wd = 0.0153 * batch / kilostep``, BN biases at 64x lr, and PyTorch ``weight_decay = wd / group_lr``.
+    airbench: loss summed over the batch, ``kilostep = 1024 * (1 + 1 / (1 - 0.85))``, ``lr = 11.5 /
+    kilostep``, ``wd = 0.0153 * batch / kilostep``, BN biases at 64x lr, and PyTorch ``weight_decay = wd /
+    group_lr``.
     """
     torch.manual_seed(0)
     module = build_module(

@@ -155,7 +155,8 @@ def _fuse_pad_crop(ops: list[BatchOp]) -> list[BatchOp]:
 def from_albumentations(
     compose: Any, dtype: torch.dtype = torch.float32, channels_last: bool = True, compile: bool = True
 ) -> Pipeline:
-    """Batched equivalent of an ``A.Compose`` (or a list of transforms); raises listing what is unsupported."""
+    """Batched equivalent of an ``A.Compose`` (or a list of transforms); raises listing what is
+    unsupported."""
     transforms = getattr(compose, "transforms", compose)
     if not isinstance(transforms, (list, tuple)) and not hasattr(transforms, "__iter__"):
         raise TypeError(

@@ -148,9 +148,10 @@ class _DeviceDataModule(pl.LightningDataModule):
         if len(loader) == 0:  # only drop_last can empty a loader: a run that would train on nothing
             per_rank = f" per rank ({world} ranks)" if world > 1 else ""
             raise DatasetError(
-                f"the {split} split has {len(data)} images{per_rank}, fewer than batch_size={self.batch_size} with "
-                f"drop_last=True: not one batch to train on. Lower batch_size to at most {len(data) // world} "
-                "(lcv: --data.batch_size) or keep the last partial batch (lcv: --data.drop_last false)"
+                f"the {split} split has {len(data)} images{per_rank}, fewer than "
+                f"batch_size={self.batch_size} with drop_last=True: not one batch to train on. Lower "
+                f"batch_size to at most {len(data) // world} (lcv: --data.batch_size) or keep the last "
+                "partial batch (lcv: --data.drop_last false)"
             )
         return loader
 
@@ -325,9 +326,10 @@ class ImageFolderDataModule(_DeviceDataModule):
     files and warns naming them; ``"raise"`` fails naming the file.
 
     ``val_split``: the folder next to ``train/`` that holds the validation images (default ``"val"``), or a
-    fraction in (0, 1): that share of every class of ``train/`` is held out (seeded with ``seed``) when the data
-    set has no validation folder.  The test split is the validation split.  Every class folder of ``train/``
-    must hold images (a class never seen cannot be learnt); an empty one in the validation folder is a warning.
+    fraction in (0, 1): that share of every class of ``train/`` is held out (seeded with ``seed``) when the
+    data set has no validation folder.  The test split is the validation split.  Every class folder of
+    ``train/`` must hold images (a class never seen cannot be learnt); an empty one in the validation folder
+    is a warning.
     """
 
     mean = IMAGENET_MEAN
@@ -392,8 +394,8 @@ class ImageFolderDataModule(_DeviceDataModule):
         )
         skipped = f", {data.skipped} skipped" if data.skipped else ""
         rank_zero_info(
-            f"{split}: {len(data):,} images in {len(data.class_names)} classes decoded to {self.storage_size}x"
-            f"{self.storage_size} in {time.perf_counter() - start:.1f} s{skipped}"
+            f"{split}: {len(data):,} images in {len(data.class_names)} classes decoded to "
+            f"{self.storage_size}x{self.storage_size} in {time.perf_counter() - start:.1f} s{skipped}"
         )
         return data
 
@@ -406,8 +408,8 @@ class ImageFolderDataModule(_DeviceDataModule):
             )
             if held_out.numel() == 0:
                 raise DatasetError(
-                    f"val_split={self.val_split} of {len(train)} training images holds out none: raise the fraction "
-                    "or add a val/ folder"
+                    f"val_split={self.val_split} of {len(train)} training images holds out none: raise the "
+                    "fraction or add a val/ folder"
                 )
             val = train.select(held_out)
             train = train.select(kept)
@@ -422,8 +424,9 @@ class ImageFolderDataModule(_DeviceDataModule):
                 only_train = sorted(set(train.class_names) - set(val.class_names))
                 only_val = sorted(set(val.class_names) - set(train.class_names))
                 raise DatasetError(
-                    f"the class folders of {self.root!r} differ between train/ and {self.val_split}/: only in train: "
-                    f"{only_train}, only in {self.val_split}: {only_val}; both need the same class folders"
+                    f"the class folders of {self.root!r} differ between train/ and {self.val_split}/: only "
+                    f"in train: {only_train}, only in {self.val_split}: {only_val}; both need the same class "
+                    "folders"
                 )
         self.class_names, self.num_classes = train.class_names, len(train.class_names)
         return {"train": train, "val": val, "test": val}
@@ -456,8 +459,8 @@ def _val_fraction(root: str, val_split: float | str) -> float | None:
             if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, val_split)):
                 return None
             raise DatasetNotFoundError(
-                f"no {val_split!r} folder in {root!r} (expected {root}/{val_split}/<class>/<image>): add one, or hold "
-                "out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
+                f"no {val_split!r} folder in {root!r} (expected {root}/{val_split}/<class>/<image>): add "
+                "one, or hold out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
             ) from None
     if isinstance(val_split, bool) or not 0.0 < float(val_split) < 1.0:
         raise ValueError(f"val_split must be a folder name or a fraction in (0, 1), got {val_split!r}")

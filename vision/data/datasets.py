@@ -35,7 +35,8 @@ OnCorrupt = Literal["raise", "skip"]
 
 
 class DatasetError(ValueError):
-    """Something wrong with the user's images or folders (not with the code): ``lcv`` reports it in one line."""
+    """Something wrong with the user's images or folders (not with the code): ``lcv`` reports it in one
+    line."""
 
 
 class DatasetNotFoundError(DatasetError, FileNotFoundError):
@@ -219,13 +220,13 @@ def _listing(root: str, split: str, require_every_class: bool) -> FolderListing:
     empty = listing.empty_classes()
     if empty and require_every_class:
         raise DatasetError(
-            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images: a class the model never "
-            "sees cannot be learnt; add images or remove the folder(s)"
+            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images: a class the model "
+            "never sees cannot be learnt; add images or remove the folder(s)"
         )
     if empty:
         warnings.warn(
-            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images (kept as classes, so the "
-            "class indices match the other splits)",
+            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images (kept as classes, so "
+            "the class indices match the other splits)",
             stacklevel=3,
         )
     return listing
@@ -355,7 +356,8 @@ def _decode_all(
             elif img.shape != out.shape[1:]:
                 raise DatasetError(
                     f"{path!r} is {img.shape[2]}x{img.shape[1]} but the first image is {out.shape[3]}x"
-                    f"{out.shape[2]}: images of different sizes need storage_size=<int> to store them at one size"
+                    f"{out.shape[2]}: images of different sizes need storage_size=<int> to store them at one "
+                    "size"
                 )
             out[len(labels)] = img
             labels.append(label)
@@ -380,8 +382,8 @@ def load_image_folder(
     :class:`ImageSet`.
 
     Images in sub-folders of a class folder belong to that class (as in torchvision's ``ImageFolder``); hidden
-    files (macOS ``._*``, ``.DS_Store``) are not images. ``storage_size`` resizes every image to a square of that
-    side (needed when sizes differ). ``on_corrupt="skip"`` drops undecodable files and warns naming them;
+    files (macOS ``._*``, ``.DS_Store``) are not images. ``storage_size`` resizes every image to a square of
+    that side (needed when sizes differ). ``on_corrupt="skip"`` drops undecodable files and warns naming them;
     ``"raise"`` names the first one. A class folder without images is a warning, or an error with
     ``require_every_class``.
     """

@@ -185,8 +185,9 @@ class AlternatingFlipCrop(RandomCrop):
     every two epochs, which cuts the steps to 94% on CIFAR-10 by about 10% against independent random flips.
 
     The flip of a sample depends on *which* image it is, so this op must be the first op of the pipeline and
-    the loader must keep the data set resident (``DeviceLoader`` then hands the op the sample indices). When it
-    gets an already-gathered batch instead, it falls back to independent random flips (p = 0.5) and warns once.
+    the loader must keep the data set resident (``DeviceLoader`` then hands the op the sample indices). When
+    it gets an already-gathered batch instead, it falls back to independent random flips (p = 0.5) and warns
+    once.
 
     Args:
         size, padding, padding_mode, fill: as :class:`RandomCrop` (``size=None`` = translate).
@@ -234,8 +235,9 @@ class AlternatingFlipCrop(RandomCrop):
         else:
             if not self._warned:
                 warnings.warn(
-                    "AlternatingFlipCrop got a batch without sample indices (the loader does not keep the data "
-                    "set resident, or the op is not first in the pipeline): using independent random flips",
+                    "AlternatingFlipCrop got a batch without sample indices (the loader does not keep the "
+                    "data set resident, or the op is not first in the pipeline): using independent random "
+                    "flips",
                     stacklevel=3,
                 )
                 self._warned = True

@@ -1,4 +1,5 @@
-"""The batch loader: uint8 images in memory (on the device when they fit), per-batch augmentation on the device.
+"""The batch loader: uint8 images in memory (on the device when they fit), per-batch augmentation on the
+device.
 
 Ordering and augmentation are counter-based: the permutation of epoch ``e`` and the augmentation generator
 of batch ``b`` are seeded from ``(seed, e)`` and ``(seed, e, rank, b)``, so the loader's whole random state
@@ -158,15 +159,15 @@ class DeviceLoader:
         shard_indices(torch.arange(1), rank, world_size, uneven)  # validates rank and uneven
         if uneven == "exact" and num_samples < world_size:
             raise ValueError(
-                f"DeviceLoader: {num_samples} samples cannot give each of {world_size} ranks one exactly once; "
-                "use uneven='pad'"
+                f"DeviceLoader: {num_samples} samples cannot give each of {world_size} ranks one exactly "
+                "once; use uneven='pad'"
             )
         targets = _check_targets(targets, num_samples)
         if encoded and (not pipeline.ops or not pipeline.ops[0].accepts_ragged):
             first = type(pipeline.ops[0]).__name__ if pipeline.ops else "nothing"
             raise ValueError(
-                "DeviceLoader: images decoded per batch have different sizes, so the pipeline must start with "
-                f"RandomResizedCrop, Resize or ResizeCenterCrop; it starts with {first}"
+                "DeviceLoader: images decoded per batch have different sizes, so the pipeline must start "
+                f"with RandomResizedCrop, Resize or ResizeCenterCrop; it starts with {first}"
             )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.batch_size = batch_size
@@ -425,8 +426,8 @@ def _check_targets(targets: Any, n: int) -> Tensor:
     if targets.dtype.is_floating_point or targets.dtype.is_complex:
         if not bool((targets == targets.round()).all()):
             raise TypeError(
-                f"DeviceLoader: targets must be integer class indices, got non-integral {targets.dtype} values "
-                "(soft targets come from MixupCutmix in the pipeline)"
+                f"DeviceLoader: targets must be integer class indices, got non-integral {targets.dtype} "
+                "values (soft targets come from MixupCutmix in the pipeline)"
             )
     elif targets.dtype == torch.bool:
         raise TypeError("DeviceLoader: targets must be integer class indices, got torch.bool")

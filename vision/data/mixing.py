@@ -116,6 +116,7 @@ class MixupCutmix(BatchOp):
             soft = targets.float()
         else:
             raise ValueError(
-                f"MixupCutmix: targets must be (N,) class indices or (N, {self.num_classes}), got {tuple(targets.shape)}"
+                f"MixupCutmix: targets must be (N,) class indices or (N, {self.num_classes}), got "
+                f"{tuple(targets.shape)}"
             )
         return mix_targets(soft, params["lam"])

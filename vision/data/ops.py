@@ -58,8 +58,8 @@ class RaggedBatch:
         heights = torch.tensor([int(im.shape[-2]) for im in images], dtype=torch.int64)
         widths = torch.tensor([int(im.shape[-1]) for im in images], dtype=torch.int64)
         device = torch.device(device) if device is not None else images[0].device
-        # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy, and
-        # the CPU resize (functional.geometry.resize_boxes) reads channels_last.
+        # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy,
+        # and the CPU resize (functional.geometry.resize_boxes) reads channels_last.
         canvas = torch.empty(
             (len(images), channels.pop(), int(heights.max()), int(widths.max())),
             dtype=images[0].dtype,
@@ -125,7 +125,8 @@ class BatchOp:
         raise NotImplementedError
 
     def compiles_on(self, device: torch.device) -> bool:
-        """Whether the pipeline compiles this op's ``apply`` for images on ``device`` (default: ``compilable``)."""
+        """Whether the pipeline compiles this op's ``apply`` for images on ``device`` (default:
+        ``compilable``)."""
         return self.compilable
 
     def apply_targets(self, targets: Tensor, params: Params) -> Tensor:

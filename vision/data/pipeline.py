@@ -145,7 +145,8 @@ class Pipeline:
             prepared = self._prepare(params, tuple(source.shape), n, index, source.device)
         index = index.to(source.device) if index is not None else None
         if not self.compile or self._compile_failed or n == 1:
-            # A batch of one runs eagerly: PyTorch specialises sizes 0 and 1, so it would compile a second graph.
+            # A batch of one runs eagerly: PyTorch specialises sizes 0 and 1, so it would compile a second
+            # graph.
             return self._run_eager(source, prepared, index, targets)
         try:
             with torch.inference_mode(False), torch.no_grad():
@@ -165,7 +166,8 @@ class Pipeline:
     def _prepare(
         self, params: list[Params], shape: tuple[int, ...], n: int, index: Tensor | None, device: torch.device
     ) -> list[Params]:
-        """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on ``device``."""
+        """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on
+        ``device``."""
         index_cpu = index.cpu() if index is not None else None
         prepared = []
         for step in self._steps:
@@ -191,7 +193,8 @@ class Pipeline:
         return [self.ops[step[0]] for step in self._steps]
 
     def _compiled_segments(self, device: torch.device) -> list[tuple[int, int, CompiledOps | None]]:
-        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops not compiled on ``device``."""
+        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops not compiled on
+        ``device``."""
         if device.type not in self._segments:
             ops = self._step_ops()
             compiles = [op.compiles_on(device) for op in ops]
@@ -354,7 +357,8 @@ class Pipeline:
 
 
 def _fold_steps(ops: list[BatchOp]) -> list[list[int]]:
-    """Group each op with the ops right after it that it declares it can take over (``folds``/``fold_key``)."""
+    """Group each op with the ops right after it that it declares it can take over
+    (``folds``/``fold_key``)."""
     steps: list[list[int]] = []
     i = 0
     while i < len(ops):

@@ -119,7 +119,8 @@ class AirbenchNet(nn.Module):
 
 
 def whitening_weights(images: torch.Tensor, eps: float = 5e-4, rel_tol: float = 1e-6) -> torch.Tensor:
-    """2x2 whitening filters: eigenvectors of the patch covariance over sqrt(eigenvalue + eps), then negated copies.
+    """2x2 whitening filters: eigenvectors of the patch covariance over sqrt(eigenvalue + eps), then negated
+    copies.
 
     Returns a (2 * C * 4, C, 2, 2) weight, largest-variance directions first. Directions in which the data
     does not vary (eigenvalue <= ``rel_tol`` x the largest; e.g. grey images stored in 3 identical channels)

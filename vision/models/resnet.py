@@ -126,7 +126,8 @@ class ResNet(nn.Module):
         width: channels of the first stage (64 in the paper); stages double it. Small values make test models.
         stem: ``"imagenet"`` (7x7 stride-2 conv + 3x3 max pool, for 224 px) or ``"cifar"``
             (3x3 stride-1 conv, no pool, for 32 px). Both keep the same parameter names.
-        zero_init_residual: start every residual branch's last BN at 0 (Goyal et al.), so blocks start as identities.
+        zero_init_residual: start every residual branch's last BN at 0 (Goyal et al.), so blocks start as
+            identities.
     """
 
     def __init__(

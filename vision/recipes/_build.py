@@ -88,7 +88,8 @@ def recipe_defaults(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, 
 
 
 def build_datamodule(recipe: Recipe | str, **overrides: Any) -> pl.LightningDataModule:
-    """The recipe's DataModule; ``overrides`` (e.g. ``root=``, ``batch_size=``) win, ``None`` values are ignored."""
+    """The recipe's DataModule; ``overrides`` (e.g. ``root=``, ``batch_size=``) win, ``None`` values are
+    ignored."""
     recipe = _resolve(recipe)
     kwargs = {**data_kwargs(recipe), **{k: v for k, v in overrides.items() if v is not None}}
     return DATAMODULES[recipe.dataset](**kwargs)

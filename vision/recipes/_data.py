@@ -177,7 +177,8 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
             and not 0 < eval_image_size <= self.storage_size
         ):
             raise ValueError(
-                f"ImageFolderData: eval_image_size={eval_image_size} must be in [1, storage_size={self.storage_size}]"
+                f"ImageFolderData: eval_image_size={eval_image_size} must be in [1, "
+                f"storage_size={self.storage_size}]"
             )
         self.augment = augment
         self.eval_image_size = eval_image_size

@@ -76,7 +76,8 @@ def build_train_pipeline(
     if augment.random_erase:
         ops.append(Erasing(p=augment.random_erase, fill=0.0))
     if augment.mixup_alpha or augment.cutmix_alpha:
-        # Label smoothing stays in the loss (ClassificationModule), so the targets here are plain one-hot mixes.
+        # Label smoothing stays in the loss (ClassificationModule), so the targets here are plain one-hot
+        # mixes.
         ops.append(
             MixupCutmix(
                 num_classes, mixup_alpha=augment.mixup_alpha, cutmix_alpha=augment.cutmix_alpha, mode="batch"

@@ -74,7 +74,8 @@ class AugmentConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and per-step learning-rate schedule (the fields of ``ClassificationModule`` of the same names)."""
+    """Optimizer and per-step learning-rate schedule (the fields of ``ClassificationModule`` of the same
+    names)."""
 
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 0.1
@@ -163,7 +164,8 @@ class Recipe:
         if set(self.compile) - _compile_fields():
             unknown = sorted(set(self.compile) - _compile_fields())
             raise ValueError(
-                f"recipe {self.name!r}: unknown compile settings {unknown}; known: {sorted(_compile_fields())}"
+                f"recipe {self.name!r}: unknown compile settings {unknown}; known: "
+                f"{sorted(_compile_fields())}"
             )
         return self
 

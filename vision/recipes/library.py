@@ -101,7 +101,8 @@ register_recipe(
         description="torchvision's ResNet-50 reference recipe knobs (IMAGENET1K_V2, 80.858%) on any ImageFolder",
         model="resnet50",
         dataset="imagefolder",
-        # FixRes: train crops of 176, evaluate the centre 224 of images stored at 232 (torchvision's val resize)
+        # FixRes: train crops of 176, evaluate the centre 224 of images stored at 232 (torchvision's val
+        # resize)
         data_kwargs={"image_size": 176, "storage_size": 232, "eval_image_size": 224},
         augment=AugmentConfig(
             rrc_scale=(0.08, 1.0),
@@ -127,8 +128,8 @@ register_recipe(
         batch_size=128,
         precision="bf16-mixed",
         label_smoothing=0.1,
-        # torchvision: decay 0.99998 every 32 steps, its alpha scaled by (devices x batch x 32 / epochs); for one
-        # device of 128 that is 1 - 2e-5 * 128 * 32 / 600 = 0.999863 (8 devices: 0.99891)
+        # torchvision: decay 0.99998 every 32 steps, its alpha scaled by (devices x batch x 32 / epochs); for
+        # one device of 128 that is 1 - 2e-5 * 128 * 32 / 600 = 0.999863 (8 devices: 0.99891)
         ema_decay=1 - 2e-5 * 128 * 32 / 600,
         ema_every_n_steps=32,
         compile={"channels_last": True},
@@ -143,8 +144,8 @@ register_recipe(
         model="airbench94",
         model_kwargs={"widths": [32, 64, 64]},
         dataset="digits",
-        # Full batches only: the last, smaller one (41 images, shuffled anew each epoch) would cost the compiled
-        # strategy a second compile of the training graph, longer than all of this recipe's training.
+        # Full batches only: the last, smaller one (41 images, shuffled anew each epoch) would cost the
+        # compiled strategy a second compile of the training graph, longer than all of this recipe's training.
         data_kwargs={"drop_last": True},
         augment=AugmentConfig(crop_padding=2, padding_mode="constant", flip="none"),
         optim=_small_airbench_optim(),

@@ -1,4 +1,5 @@
-"""Batched colour as tensor functions: grayscale, brightness/contrast/saturation/hue, colour jitter, normalize.
+"""Batched colour as tensor functions: grayscale, brightness/contrast/saturation/hue, colour jitter,
+normalize.
 
 Pixel arithmetic runs in float32 on the 0..255 scale and saturates to [0, 255] after every step, which is
 what albumentations does on uint8 images (it never wraps around); the only difference is that we do not
@@ -61,7 +62,8 @@ def rgb_to_hsv(rgb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hsv_to_rgb(hue: Tensor, sat: Tensor, val: Tensor) -> Tensor:
-    """Inverse of :func:`rgb_to_hsv`, via ``c_n = v - v s clamp(min(k, 4 - k), 0, 1)``, ``k = (n + 6h) mod 6``."""
+    """Inverse of :func:`rgb_to_hsv`, via ``c_n = v - v s clamp(min(k, 4 - k), 0, 1)``, ``k = (n + 6h) mod
+    6``."""
     n = torch.tensor((5.0, 3.0, 1.0), dtype=hue.dtype, device=hue.device).view(1, 3, 1, 1)
     k = (n + 6.0 * hue.unsqueeze(1)).remainder(6.0)
     ramp = torch.minimum(k, 4.0 - k).clamp(0.0, 1.0)
@@ -149,7 +151,8 @@ def jitter_tables(
     order = order.long()
     hue_at = (order == 3).long().argmax(dim=1)  # (N,)
     slots = torch.arange(2 * BLEND_STEPS).view(1, -1)  # (1, 6)
-    # Slot j < 3 holds order step j - 3 + hue_at (steps before the hue); slot j >= 3 holds step j - 2 + hue_at.
+    # Slot j < 3 holds order step j - 3 + hue_at (steps before the hue); slot j >= 3 holds step j - 2 +
+    # hue_at.
     step = torch.where(
         slots < BLEND_STEPS, slots - BLEND_STEPS + hue_at.view(n, 1), slots - 2 + hue_at.view(n, 1)
     )

@@ -17,7 +17,8 @@ _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def cpu_pool(threads: int) -> ThreadPoolExecutor:
-    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per thread)."""
+    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per
+    thread)."""
     key = (
         os.getpid(),
         threads,
