@@ -283,7 +283,10 @@ def already_compiled_reason(module: nn.Module) -> str | None:
         if getattr(sub, "_compiled_call_impl", None) is not None:
             return f"submodule {name or type(module).__name__!r} was compiled with nn.Module.compile()"
         if getattr(sub.__dict__.get("forward"), "__lcv_compiled__", False):
-            return f"submodule {name or type(module).__name__!r} is already compiled by another compiled strategy"
+            return (
+                f"submodule {name or type(module).__name__!r} is already compiled by another compiled "
+                "strategy"
+            )
     return None
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 
@@ -40,7 +40,7 @@ _MODES: tuple[str | None, ...] = (
 _FALLBACKS: tuple[str, ...] = ("eager", "raise")
 _COMPILE: tuple[str, ...] = ("auto", "always", "never")
 
-KernelsSpec = Union[str, Iterable[str]]
+KernelsSpec = str | Iterable[str]
 
 
 @dataclass

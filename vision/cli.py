@@ -41,7 +41,8 @@ __all__ = ["LcvCLI", "LcvError", "ThroughputMeter", "main", "run"]
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _HELP_RECIPE = "digits-small"  # whose options `lcv fit --help` shows when no --recipe is given
-_USAGE = """usage: lcv {fit,validate,test,predict} --recipe NAME [--config FILE] [--model.* ...] [--data.* ...]
+_USAGE = """usage: lcv {fit,validate,test,predict} --recipe NAME [--config FILE] [--model.* ...] \
+[--data.* ...]
                                          [--trainer.* ...] [--ckpt_path CKPT]
        lcv recipes [NAME | PATTERN]
 
@@ -123,8 +124,8 @@ class LcvCLI(LightningCLI):
             "--test_after_fit",
             type=bool,
             default=True,
-            help="fit only: test the final weights (and the EMA weights, when kept) after training and print a "
-            "summary.",
+            help="fit only: test the final weights (and the EMA weights, when kept) after training and "
+            "print a summary.",
         )
         parser.add_argument(
             "--predictions_path",
@@ -312,7 +313,8 @@ class LcvCLI(LightningCLI):
 
 
 # ------------------------------------------------------------------------------------------- checks
-_DISABLES = {  # Trainer flag that, when false, rules out these default callbacks (Lightning would refuse them)
+# Trainer flag that, when false, rules out these default callbacks (Lightning would refuse them).
+_DISABLES = {
     "enable_progress_bar": ("RichProgressBar", "TQDMProgressBar", "LcvProgressBar"),
     "enable_checkpointing": ("ModelCheckpoint", "BestAndLastCheckpoint", "FaultTolerantCheckpoint"),
     "enable_model_summary": ("ModelSummary", "RichModelSummary", "LcvModelSummary"),

@@ -89,7 +89,8 @@ def describe_compiler(strategy: Any, batch_size: int | None = None) -> list[str]
 
 def _throughput(decision: Any, stats: Any, batch_size: int | None) -> str:
     if decision is None:
-        return f"compiled vs eager: not measured ({stats.decision_reason or 'the fit ended before the measurement'})"
+        reason = stats.decision_reason or "the fit ended before the measurement"
+        return f"compiled vs eager: not measured ({reason})"
     if decision.speedup is None:
         return f"compiled vs eager: not measured ({decision.describe()})"
     where = (

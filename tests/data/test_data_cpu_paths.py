@@ -47,8 +47,8 @@ def test_uint8_box_resize_matches_opencv_and_the_float_resampler(real_images, n,
     # ATen's uint8 kernel is separable and rounds to an integer after each pass: at most 0.5 + 0.5 levels.
     assert (ours.float() - exact).abs().max() <= 1.0
     for i in range(n):
-        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
-        crop = batch.canvas[i, :, t : t + h, l : l + w].permute(1, 2, 0).contiguous().numpy()
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        crop = batch.canvas[i, :, y0 : y0 + h, x0 : x0 + w].permute(1, 2, 0).contiguous().numpy()
         ref = cv2.resize(crop, out_size[::-1], interpolation=cv2.INTER_LINEAR)
         ref = ref[:, ::-1] if flip[i] else ref
         diff = np.abs(ours[i].permute(1, 2, 0).numpy().astype(int) - ref.astype(int))

@@ -65,8 +65,8 @@ def test_pad_crop_matches_albumentations_pixel_for_pixel(real_images, mode, cv_m
     crop = A.RandomCrop(32, 32)
     for i in range(16):
         padded = pad.apply(hwc(x[i]), **pad.get_params_dependent_on_data({"shape": (32, 32)}, {}))
-        t, l = int(params["top"][i]), int(params["left"][i])
-        ref = crop.apply(padded, crop_coords=(l, t, l + 32, t + 32))
+        y0, x0 = int(params["top"][i]), int(params["left"][i])
+        ref = crop.apply(padded, crop_coords=(x0, y0, x0 + 32, y0 + 32))
         assert np.array_equal(hwc(ours[i]), ref), f"sample {i} differs"
 
 
@@ -88,8 +88,8 @@ def test_fused_gather_and_flip_equal_unfused():
                         "edge": "replicate",
                         "symmetric": "constant",
                     }[mode],
-                )[0, :, t : t + 8, l : l + 8]
-                for j, t, l in zip(index.tolist(), top.tolist(), left.tolist())
+                )[0, :, y0 : y0 + 8, x0 : x0 + 8]
+                for j, y0, x0 in zip(index.tolist(), top.tolist(), left.tolist())
             ]
         )
         ref = torch.where(flip.view(-1, 1, 1, 1), ref.flip(-1), ref)
@@ -97,9 +97,9 @@ def test_fused_gather_and_flip_equal_unfused():
             ref = torch.stack(
                 [
                     torch.from_numpy(np.pad(x[j].numpy(), ((0, 0), (2, 2), (2, 2)), mode="symmetric"))[
-                        :, t : t + 8, l : l + 8
+                        :, y0 : y0 + 8, x0 : x0 + 8
                     ]
-                    for j, t, l in zip(index.tolist(), top.tolist(), left.tolist())
+                    for j, y0, x0 in zip(index.tolist(), top.tolist(), left.tolist())
                 ]
             ).float()
             ref = torch.where(flip.view(-1, 1, 1, 1), ref.flip(-1), ref)
@@ -190,8 +190,8 @@ def test_resized_crop_matches_albumentations_given_same_box(real_images, out_siz
     ours = op.apply(x, params)
     ref_t = A.RandomResizedCrop(out_size, scale=(0.2, 1.0))
     for i in range(8):
-        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
-        ref = ref_t.apply(hwc(x[i]), crop_coords=(l, t, l + w, t + h))
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        ref = ref_t.apply(hwc(x[i]), crop_coords=(x0, y0, x0 + w, y0 + h))
         diff = (ours[i] - chw(ref)).abs()
         assert diff.max() <= 1.0 + 1e-4, (
             f"sample {i}: max diff {diff.max()} (cv2 fixed-point rounding is <= 1)"

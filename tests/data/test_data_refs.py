@@ -75,8 +75,8 @@ def test_resized_crop_upscale_matches_torchvision(real_images):
     params = RandomResizedCrop(48, scale=(0.2, 0.9)).sample(5, 32, 32, torch.Generator().manual_seed(3))
     ours = resized_crop(x, params["top"], params["left"], params["height"], params["width"], (48, 48))
     for i in range(5):
-        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
-        ref = TF.resized_crop(x[i].float(), t, l, h, w, [48, 48], antialias=False)
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        ref = TF.resized_crop(x[i].float(), y0, x0, h, w, [48, 48], antialias=False)
         torch.testing.assert_close(ours[i], ref, atol=2e-3, rtol=0)
 
 
@@ -163,8 +163,8 @@ def test_translated_random_pipeline_equals_albumentations_given_the_same_params(
     pad, crop, flip, norm, drop = compose.transforms
     for i in range(16):
         img = pad.apply(hwc(x[i]), **pad.get_params_dependent_on_data({"shape": (32, 32)}, {}))
-        t, l = int(params[0]["top"][i]), int(params[0]["left"][i])
-        img = crop.apply(img, crop_coords=(l, t, l + 32, t + 32))
+        y0, x0 = int(params[0]["top"][i]), int(params[0]["left"][i])
+        img = crop.apply(img, crop_coords=(x0, y0, x0 + 32, y0 + 32))
         if params[1]["flip"][i]:
             img = flip.apply(img)
         img = norm.apply(img, **norm.get_params())

@@ -906,10 +906,12 @@ for index_64 in (False, True):
     assert "mma" in kernel.asm["ptx"], "expected tensor-core MMA instructions in the PTX"
     assert "cp.async" in kernel.asm["ptx"], "aligned channels must load with cp.async"
     ttir = kernel.asm["ttir"]
-    # BatchNorm statistics are per-tile partials merged in a fixed order: no atomics (nondeterministic order).
+    # BatchNorm statistics are per-tile partials merged in a fixed order: no atomics (nondeterministic
+    # order).
     assert "atomic" not in ttir, "the statistics epilogue must not use atomics"
     widths = set(pointer_offset_widths(ttir))
-    # The int64 variant (tensors of 2**31+ elements) addresses everything in 64 bits; the int32 one never does.
+    # The int64 variant (tensors of 2**31+ elements) addresses everything in 64 bits; the int32 one never
+    # does.
     assert widths == ({"i64"} if index_64 else {"i32"}), (index_64, widths)
 print("compiled")
 """
@@ -949,9 +951,9 @@ def jobs():
         for dtype, epilogue in (("bf16", "full"), ("fp32", "full"), ("bf16", "plain")):
             for config in conv_mod.GPU_CONFIGS:
                 if conv_mod.allowed_config(
-                    config[:5], R=layer["R"], S=layer["S"], C=layer["C"], K=layer["K"], Y_ALIGN=layer["Y_ALIGN"],
-                    M_BUCKET=layer["M_BUCKET"], element_size=4 if dtype == "fp32" else 2,
-                    epilogue=epilogue == "full",
+                    config[:5], R=layer["R"], S=layer["S"], C=layer["C"], K=layer["K"],
+                    Y_ALIGN=layer["Y_ALIGN"], M_BUCKET=layer["M_BUCKET"],
+                    element_size=4 if dtype == "fp32" else 2, epilogue=epilogue == "full",
                 ):
                     yield name, spec, dtype, epilogue, config
 

@@ -150,8 +150,8 @@ class RandomCrop(_Crop):
         self.p = p
 
     def _padded(self, height: int, width: int) -> tuple[int, int]:
-        l, t, r, b = self.padding
-        return height + t + b, width + l + r
+        left, top, right, bottom = self.padding
+        return height + top + bottom, width + left + right
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
         return self.size if self.size is not None else (int(height), int(width))
@@ -257,8 +257,8 @@ class Pad(_Crop):
         self.fill = float(fill)
 
     def output_size(self, height: Any, width: Any) -> tuple[Any, Any]:
-        l, t, r, b = self._padding_for(int(height), int(width))
-        return int(height) + t + b, int(width) + l + r
+        left, top, right, bottom = self._padding_for(int(height), int(width))
+        return int(height) + top + bottom, int(width) + left + right
 
     def _crop_size(self, height: int, width: int) -> tuple[int, int]:
         return self.output_size(height, width)

@@ -69,7 +69,9 @@ register_recipe(
 register_recipe(
     Recipe(
         name="cifar10-resnet18",
-        description="ResNet-18 (CIFAR stem), Nesterov SGD, triangular schedule, cutout, label smoothing, flip TTA",
+        description=(
+            "ResNet-18 (CIFAR stem), Nesterov SGD, triangular schedule, cutout, label smoothing, flip TTA"
+        ),
         model="cifar_resnet18",
         dataset="cifar10",
         augment=AugmentConfig(crop_padding=4, padding_mode="reflect", flip="random", cutout=8),
@@ -91,14 +93,18 @@ register_recipe(
         label_smoothing=0.1,
         tta="flip",
         compile={"channels_last": True},
-        reference="FFCV CIFAR-10 example (triangular lr, label smoothing 0.1, flip TTA), widths of He et al. 2015",
+        reference=(
+            "FFCV CIFAR-10 example (triangular lr, label smoothing 0.1, flip TTA), widths of He et al. 2015"
+        ),
     )
 )
 
 register_recipe(
     Recipe(
         name="imagefolder-resnet50",
-        description="torchvision's ResNet-50 reference recipe knobs (IMAGENET1K_V2, 80.858%) on any ImageFolder",
+        description=(
+            "torchvision's ResNet-50 reference recipe knobs (IMAGENET1K_V2, 80.858%) on any ImageFolder"
+        ),
         model="resnet50",
         dataset="imagefolder",
         # FixRes: train crops of 176, evaluate the centre 224 of images stored at 232 (torchvision's val
@@ -140,7 +146,9 @@ register_recipe(
 register_recipe(
     Recipe(
         name="digits-small",
-        description="small airbench-style net on the bundled sklearn digits (offline): >= 97% test in ~1 min on CPU",
+        description=(
+            "small airbench-style net on the bundled sklearn digits (offline): >= 97% test in ~1 min on CPU"
+        ),
         model="airbench94",
         model_kwargs={"widths": [32, 64, 64]},
         dataset="digits",
@@ -164,7 +172,9 @@ register_recipe(
 register_recipe(
     Recipe(
         name="cifar10-vit",
-        description="tiny ViT (patch 4, SDPA attention) on CIFAR-10 with AdamW, strong augmentation and mixup/cutmix",
+        description=(
+            "tiny ViT (patch 4, SDPA attention) on CIFAR-10 with AdamW, strong augmentation and mixup/cutmix"
+        ),
         model="vit_tiny_patch4_32",
         dataset="cifar10",
         augment=AugmentConfig(
@@ -193,7 +203,9 @@ register_recipe(
         ema_decay=0.999,
         tta="flip",
         compile={"channels_last": False},
-        reference="DeiT training knobs (AdamW 1e-3 per 512, wd 0.05, mixup 0.8 / cutmix 1.0), scaled to 32 px",
+        reference=(
+            "DeiT training knobs (AdamW 1e-3 per 512, wd 0.05, mixup 0.8 / cutmix 1.0), scaled to 32 px"
+        ),
     )
 )
 
@@ -216,6 +228,8 @@ register_recipe(
         ema_every_n_steps=1,
         whitening_images=256,
         compile={"channels_last": True},
-        reference="this project (digits-small's settings at 64 px; measured on CIFAR-10 JPEG subsets, see README)",
+        reference=(
+            "this project (digits-small's settings at 64 px; measured on CIFAR-10 JPEG subsets, see README)"
+        ),
     )
 )

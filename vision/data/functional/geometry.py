@@ -237,8 +237,8 @@ def resize_boxes(
     def resize(rows: range) -> None:
         one = torch.empty((1, c, *size), dtype=torch.uint8, memory_format=torch.channels_last)
         for i in rows:
-            t, l, h, w = (int(v) for v in boxes[i])
-            box = src[i : i + 1, :, t : t + h, l : l + w]
+            y0, x0, h, w = (int(v) for v in boxes[i])
+            box = src[i : i + 1, :, y0 : y0 + h, x0 : x0 + w]
             torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)
             out[i : i + 1].copy_(one.flip(-1) if mirror[i] else one)
 
