@@ -241,7 +241,7 @@ class ModuleCompiler:
         return forward
 
 
-def _report_skipped(target: nn.Module, skipped: list[FrameRecord], fallback: str) -> None:
+def _report_skipped(target: nn.Module, skipped: list[FrameRecord], fallback: str | None) -> None:
     """Dynamo ran some of the compiled code eagerly: warn (or raise, with ``fallback="raise"``)."""
     message = (
         f"torch.compile gave up on {len(skipped)} frame(s) of {type(target).__name__}.forward and ran them "

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
+from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = [
     "BestAndLastCheckpoint",
@@ -105,7 +106,12 @@ class BestAndLastCheckpoint(ModelCheckpoint):
         self.resumed_best: tuple[float, str] | None = None  # (score, path) of the run resumed from
 
     def _refresh_last(self, trainer: Trainer) -> None:
-        if not self.save_last or trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit":
+        if (
+            not self.save_last
+            or runtime_attributes(trainer).fast_dev_run
+            or trainer.sanity_checking
+            or trainer.state.fn != "fit"
+        ):
             return
         if self._last_saved_at != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -220,7 +226,7 @@ class FitLoggingInterval(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        count = getattr(trainer.datamodule, "num_train_batches", None)
+        count = getattr(runtime_attributes(trainer).datamodule, "num_train_batches", None)
         if stage != "fit" or count is None:
             return
         batches = count()
@@ -229,5 +235,6 @@ class FitLoggingInterval(Callback):
             batches = min(batches, limit)
         elif limit is not None and limit < 1.0:
             batches = int(batches * limit)
-        if 0 < batches < trainer.log_every_n_steps:
-            trainer.log_every_n_steps = batches
+        attributes = runtime_attributes(trainer)
+        if 0 < batches < attributes.log_every_n_steps:
+            attributes.log_every_n_steps = batches

@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from lightning_plugin.trainer_attributes import runtime_attributes
 from vision.callbacks import BestAndLastCheckpoint, ThroughputMeter
 from vision.compiler_summary import CompilerSummary
 from vision.data.datasets import DatasetError
@@ -98,7 +100,7 @@ class LcvCLI(LightningCLI):
         self.throughput = ThroughputMeter()
         self.started = time.perf_counter()
         #: test metrics after ``fit`` per evaluated weights: ``{"EMA": {...}, "final": {...}}``
-        self.test_results: dict[str, dict[str, float]] = {}
+        self.test_results: dict[str, Mapping[str, float]] = {}
         self._argv = list(sys.argv[1:] if kwargs.get("args") is None else kwargs["args"])
         self._checkpoint_hparams: dict[str, Any] = {}
         _quiet_lightning()
@@ -295,10 +297,10 @@ class LcvCLI(LightningCLI):
         best = checkpoint.best() if isinstance(checkpoint, BestAndLastCheckpoint) else None
         if best is not None:
             lines.append(f"  best val/acc ({evaluated} weights): {100 * best[0]:.2f}%, checkpoint {best[1]}")
-        if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
+        last_path = getattr(checkpoint, "last_model_path", None)  # ModelCheckpoint's; None without one
+        if last_path:
             lines.append(
-                f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): "
-                f"{checkpoint.last_model_path}"
+                f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): {last_path}"
             )
         overall = self.throughput.images_per_second()
         if overall is not None:
@@ -308,7 +310,12 @@ class LcvCLI(LightningCLI):
             lines.append(text)
         if trainer.logger is not None and getattr(trainer.logger, "log_dir", None):
             lines.append(f"  TensorBoard logs: {trainer.logger.log_dir}   (tensorboard --logdir runs)")
-        lines += [line for c in trainer.callbacks if isinstance(c, CompilerSummary) for line in c.lines()]
+        lines += [
+            line
+            for c in runtime_attributes(trainer).callbacks
+            if isinstance(c, CompilerSummary)
+            for line in c.lines()
+        ]
         return "\n".join(lines)
 
 

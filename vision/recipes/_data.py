@@ -196,7 +196,7 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
 
 
 #: recipe ``dataset`` -> DataModule class.
-DATAMODULES: dict[str, type[Any]] = {
+DATAMODULES: dict[str, type[RecipeData]] = {
     "digits": DigitsData,
     "cifar10": CIFAR10Data,
     "imagefolder": ImageFolderData,
