@@ -1,5 +1,7 @@
 """Fast batched data augmentation and loading: uint8 storage, per-sample random params on whole batches."""
 
+from typing import Any
+
 from vision.data.color import ColorJitter, Normalize, ToGray
 from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
 from vision.data.datasets import (
@@ -73,7 +75,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # albumentations (and cv2) are imported only when the bridge is used.
     if name == "from_albumentations":
         from vision.data.albumentations_bridge import from_albumentations

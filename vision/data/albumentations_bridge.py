@@ -20,6 +20,7 @@ from vision.data.geometry import (
     CenterCrop,
     HorizontalFlip,
     Pad,
+    PaddingMode,
     PadIfNeeded,
     RandomCrop,
     RandomResizedCrop,
@@ -34,10 +35,10 @@ class UnsupportedTransformError(ValueError):
     """Some albumentations transforms have no batched equivalent."""
 
 
-def _border(t: Any) -> str:
+def _border(t: Any) -> PaddingMode:
     import cv2
 
-    modes = {
+    modes: dict[int, PaddingMode] = {
         cv2.BORDER_CONSTANT: "constant",
         cv2.BORDER_REFLECT_101: "reflect",
         cv2.BORDER_REFLECT: "symmetric",

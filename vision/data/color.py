@@ -94,7 +94,8 @@ class ColorJitter(BatchOp):
     def apply(self, images: Tensor, params: Params) -> Tensor:
         with_hue = self.hue != (0.0, 0.0)
         if not torch.compiler.is_compiling():  # eagerly: skips per sample what it does not need
-            return color_jitter(images, *(params[k] for k in _JITTER_PARAMS), apply_hue=with_hue)
+            brightness, contrast, saturation, hue, order = (params[k] for k in _JITTER_PARAMS)
+            return color_jitter(images, brightness, contrast, saturation, hue, order, apply_hue=with_hue)
         tables = {k: params[f"jitter_{k}"].to(images.device) for k in _JITTER_TABLES}
         return torch.stack(jitter_planes(as_float(images).unbind(1), tables, with_hue=with_hue), dim=1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -80,12 +81,12 @@ class _DeviceDataModule(pl.LightningDataModule):
         self.uneven = uneven
         self._train_pipeline = train_pipeline
         self._eval_pipeline = eval_pipeline
-        self._splits: dict[str, ImageSet | EncodedImages] = {}
+        self._splits: Mapping[str, ImageSet | EncodedImages] = {}
         self._train_loader: DeviceLoader | None = None
         self._pending_state: dict[str, Any] | None = None
 
     # subclasses -------------------------------------------------------------------------------------
-    def _build(self) -> dict[str, ImageSet | EncodedImages]:
+    def _build(self) -> Mapping[str, ImageSet | EncodedImages]:
         raise NotImplementedError
 
     def default_train_pipeline(self) -> Pipeline:
@@ -399,7 +400,7 @@ class ImageFolderDataModule(_DeviceDataModule):
         )
         return data
 
-    def _build(self) -> dict[str, ImageSet | EncodedImages]:
+    def _build(self) -> Mapping[str, ImageSet | EncodedImages]:
         train = self._load("train", require_every_class=True)
         self.skipped = getattr(train, "skipped", 0)
         if self.val_fraction is not None:
@@ -453,13 +454,14 @@ class ImageFolderDataModule(_DeviceDataModule):
 def _val_fraction(root: str, val_split: float | str) -> float | None:
     """``val_split`` as a fraction of train, or ``None`` when it names a validation folder."""
     if isinstance(val_split, str):
+        folder = val_split
         try:
-            val_split = float(val_split)
+            val_split = float(folder)
         except ValueError:
-            if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, val_split)):
+            if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, folder)):
                 return None
             raise DatasetNotFoundError(
-                f"no {val_split!r} folder in {root!r} (expected {root}/{val_split}/<class>/<image>): add "
+                f"no {folder!r} folder in {root!r} (expected {root}/{folder}/<class>/<image>): add "
                 "one, or hold out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
             ) from None
     if isinstance(val_split, bool) or not 0.0 < float(val_split) < 1.0:

@@ -25,11 +25,14 @@ import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:  # for the annotation; decode_jpeg_batch imports it when called
+    from vision.data.ops import RaggedBatch
 
 OnCorrupt = Literal["raise", "skip"]
 
@@ -305,7 +308,7 @@ def fit_to_square(img: Tensor, size: int) -> Tensor:
 PROGRESS_DELAY_S = 3.0
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str) -> Any:  # a tqdm bar (untyped), or None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -418,12 +421,12 @@ def is_jpeg(data: bytes) -> bool:
     return data[:3] == b"\xff\xd8\xff"
 
 
-def decode_jpeg_batch(data: Sequence[bytes], device: torch.device | str = "cuda"):
+def decode_jpeg_batch(data: Sequence[bytes], device: torch.device | str = "cuda") -> RaggedBatch:
     """Batched JPEG decode (``torchvision.io.decode_jpeg(list, device=...)``, nvJPEG on CUDA) into a
     :class:`~vision.data.pipeline.RaggedBatch` that a resizing first op can augment directly."""
     import torchvision.io as tio
 
-    from vision.data.pipeline import RaggedBatch
+    from vision.data.ops import RaggedBatch
 
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
     decoded = tio.decode_jpeg(tensors, mode=tio.ImageReadMode.RGB, device=device)

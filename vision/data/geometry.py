@@ -35,31 +35,33 @@ def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
     if isinstance(size, int):
         out = (size, size)
     else:
-        out = tuple(int(s) for s in size)
-        if len(out) != 2:
+        values = tuple(int(s) for s in size)
+        if len(values) != 2:
             raise ValueError(f"{name} must be an int or (height, width), got {size!r}")
+        out = (values[0], values[1])
     if min(out) <= 0:
         raise ValueError(f"{name} must be positive, got {size!r}")
-    return out  # type: ignore[return-value]
+    return out
 
 
 def _padding4(padding: int | Sequence[int]) -> tuple[int, int, int, int]:
     """(left, top, right, bottom), accepting an int, (pad_x, pad_y) or 4 values (albumentations order)."""
+    pads: tuple[int, int, int, int]
     if isinstance(padding, int):
-        pads = (padding,) * 4
+        pads = (padding, padding, padding, padding)
     else:
         p = tuple(int(v) for v in padding)
         if len(p) == 2:
             pads = (p[0], p[1], p[0], p[1])
         elif len(p) == 4:
-            pads = p
+            pads = (p[0], p[1], p[2], p[3])
         else:
             raise ValueError(
                 f"padding must be an int, (pad_x, pad_y) or (left, top, right, bottom), got {padding!r}"
             )
     if min(pads) < 0:
         raise ValueError(f"padding must be non-negative, got {padding!r}")
-    return pads  # type: ignore[return-value]
+    return pads
 
 
 def _check_mode(mode: str, name: str) -> None:
@@ -86,7 +88,7 @@ class _Crop(BatchOp):
     fuses_gather = True
     folds = frozenset({FLIP_AFTER})
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
-    padding_mode: str = "constant"
+    padding_mode: PaddingMode = "constant"
     fill: float = 0.0
 
     def _crop_size(self, height: int, width: int) -> tuple[int, int]:
@@ -117,7 +119,9 @@ class _Crop(BatchOp):
     def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor:
         if "rows" not in params:  # called directly, not by a Pipeline
             params = self.prepare(params, _shape_of(images), None if index is None else index.cpu())
-        tables = {k: params[k].to(images.device) for k in ("rows", "cols", "row_ok", "col_ok") if k in params}
+        tables: dict[str, Tensor] = {
+            k: params[k].to(images.device) for k in ("rows", "cols", "row_ok", "col_ok") if k in params
+        }
         return gather_crop(images, tables, self.fill, None if index is None else index.to(images.device))
 
 

@@ -116,11 +116,13 @@ class Pipeline:
         """
         ragged = isinstance(images, RaggedBatch)
         if index is not None:
-            if ragged:
+            if isinstance(images, RaggedBatch):
                 raise TypeError("Pipeline: index= is only supported with a tensor image store")
             check_image_batch(images)
             if not (self.ops and self.ops[0].fuses_gather):
                 images, index = images.index_select(0, index.to(images.device)), None
+        height: Tensor | int  # per image (a RaggedBatch's sizes) or the batch's
+        width: Tensor | int
         if isinstance(images, RaggedBatch):
             if not self.ops or not self.ops[0].accepts_ragged:
                 first = type(self.ops[0]).__name__ if self.ops else "nothing"
@@ -169,7 +171,7 @@ class Pipeline:
         """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on
         ``device``."""
         index_cpu = index.cpu() if index is not None else None
-        prepared = []
+        prepared: list[Params] = []
         for step in self._steps:
             op = self.ops[step[0]]
             merged = dict(params[step[0]])

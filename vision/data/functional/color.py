@@ -98,7 +98,8 @@ def adjust_hue(images: Tensor, shift: Tensor) -> Tensor:
     if images.shape[1] == 1:
         return images
     x = as_float(images)
-    planes = hue_planes(*x.unbind(1), shift.to(x.dtype).view(-1, 1, 1))
+    r, g, b = x.unbind(1)
+    planes = hue_planes(r, g, b, shift.to(x.dtype).view(-1, 1, 1))
     return torch.stack(planes, dim=1)
 
 
@@ -186,7 +187,8 @@ def _run_steps(
     seen = torch.zeros((), device=planes[0].device)  # per pixel: the gray level at the contrast slot
     for j in range(2 * BLEND_STEPS):
         if j == BLEND_STEPS and len(planes) == 3 and with_hue:
-            shifted = hue_planes(*planes, t["hue"].view(n, 1, 1))
+            r, g, b = planes
+            shifted = hue_planes(r, g, b, t["hue"].view(n, 1, 1))
             on = t["hue_on"].view(n, 1, 1)
             planes = [torch.where(on, new, old) for new, old in zip(shifted, planes)]
         gray = gray_plane(*planes) if len(planes) == 3 else planes[0]

@@ -239,7 +239,8 @@ def resize_boxes(
         for i in rows:
             y0, x0, h, w = (int(v) for v in boxes[i])
             box = src[i : i + 1, :, y0 : y0 + h, x0 : x0 + w]
-            torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)
+            # torch's stub of this ATen op lacks its (..., scales_h, scales_w, out=) overload.
+            torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)  # type: ignore[call-arg]
             out[i : i + 1].copy_(one.flip(-1) if mirror[i] else one)
 
     # Images split across single-threaded workers (see functional.pool): one small ATen call per image.
