@@ -141,11 +141,11 @@ class DeviceLoader:
         on_corrupt: OnCorrupt = "raise",
     ):
         encoded = isinstance(images, EncodedImages)
-        if not encoded:
+        if not isinstance(images, EncodedImages):
             check_image_batch(images)
             if images.dtype != torch.uint8:
                 raise TypeError(f"DeviceLoader stores uint8 images (0..255); got dtype {images.dtype}")
-        num_samples = len(images) if encoded else int(images.shape[0])
+        num_samples = len(images) if isinstance(images, EncodedImages) else int(images.shape[0])
         if num_samples == 0:
             raise ValueError("DeviceLoader: the data set is empty (0 images)")
         if batch_size < 1:
@@ -181,11 +181,12 @@ class DeviceLoader:
         self.num_samples = num_samples
         self.on_corrupt: OnCorrupt = on_corrupt
         self.skipped = 0
-        self._encoded = images if encoded else None
+        self._encoded = images if isinstance(images, EncodedImages) else None
         self._pool = ThreadPoolExecutor(max(1, decode_threads), "vision-decode") if encoded else None
-        if encoded:
+        self._images: Tensor | None
+        if isinstance(images, EncodedImages):
             self.resident = False
-            self._images: Tensor | None = None
+            self._images = None
         else:
             if resident is None:
                 resident = self.device.type == "cpu" or _fits_on_device(images, self.device)
@@ -246,6 +247,7 @@ class DeviceLoader:
         if self._encoded is None:
             return indices
         decode_on_cpu = self.device.type != "cuda"
+        assert self._pool is not None  # made with _encoded
         return indices, [self._pool.submit(self._read_one, int(i), decode_on_cpu) for i in indices]
 
     def _read_one(self, i: int, decode: bool) -> Tensor | bytes | None:
@@ -267,7 +269,8 @@ class DeviceLoader:
         items: list[Tensor | bytes | None] = [f.result() for f in futures]
         jpegs = [j for j, item in enumerate(items) if isinstance(item, bytes)]
         if jpegs:
-            decoded = self._decode_jpegs_on_device([items[j] for j in jpegs], indices[jpegs])  # type: ignore[misc]
+            blobs = [item for item in items if isinstance(item, bytes)]  # items[j] for j in jpegs
+            decoded = self._decode_jpegs_on_device(blobs, indices[jpegs])
             for j, img in zip(jpegs, decoded):
                 items[j] = img
         keep = [j for j, item in enumerate(items) if item is not None]
@@ -275,8 +278,8 @@ class DeviceLoader:
         if not keep:
             names = ", ".join(repr(self._encoded.name(int(i))) for i in indices)
             raise CorruptImageError(f"every image of a batch is corrupt, nothing left to skip to: {names}")
-        images = [items[j] for j in keep]
-        return RaggedBatch.from_images(images, device=self.device), indices[keep]  # type: ignore[arg-type]
+        images = [item for item in items if isinstance(item, Tensor)]  # items[j] for j in keep: all decoded
+        return RaggedBatch.from_images(images, device=self.device), indices[keep]
 
     def _decode_jpegs_on_device(self, blobs: list[bytes], indices: Tensor) -> list[Tensor | None]:
         """nvJPEG, all at once; if that fails, one by one on the CPU to name (or skip) the corrupt file."""
@@ -302,12 +305,12 @@ class DeviceLoader:
         if self._encoded is not None:
             ragged, indices = self._decode(fetched)
             targets = self._targets.index_select(0, indices).to(self.device, non_blocking=True)
-            return self.pipeline(ragged, targets, g)
+            return self._augment(ragged, targets, g)
         indices = fetched
+        assert self._images is not None  # a tensor store (not encoded)
         if self.resident:  # the pipeline builds its index tables from the CPU indices
             idx = indices.to(self.device, non_blocking=True)
-            return self.pipeline(self._images, self._targets.index_select(0, idx), g, index=indices)
-        assert self._images is not None
+            return self._augment(self._images, self._targets.index_select(0, idx), g, index=indices)
         if self.device.type == "cuda":  # gather straight into pinned memory, then an async copy
             host = torch.empty(
                 (indices.numel(), *self._images.shape[1:]),
@@ -320,7 +323,14 @@ class DeviceLoader:
         else:
             store = self._images.index_select(0, indices)
         targets = self._targets.index_select(0, indices).to(self.device, non_blocking=True)
-        return self.pipeline(store, targets, g)
+        return self._augment(store, targets, g)
+
+    def _augment(
+        self, images: Tensor | RaggedBatch, targets: Tensor, g: torch.Generator, index: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        out, augmented = self.pipeline(images, targets, g, index=index)
+        assert augmented is not None  # the pipeline returns targets when it is given them
+        return out, augmented
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         return self._pass()
