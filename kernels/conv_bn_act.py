@@ -1095,7 +1095,7 @@ class FusedConvBNAct(nn.Module):
     ) -> str | None:
         """None if ``from_modules(conv, bn, act)`` would succeed, else the reason it would raise."""
         try:
-            cls.from_modules(conv, bn, act)  # type: ignore[arg-type]
+            cls.from_modules(conv, bn, act)  # type: ignore[arg-type]  # any modules: from_modules checks them
         except (TypeError, ValueError) as err:
             return str(err)
         return None

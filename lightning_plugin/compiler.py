@@ -237,7 +237,7 @@ class ModuleCompiler:
             return output
 
         code = dynamo_cache.code_of(eager)
-        forward.__lcv_compiled__ = True  # type: ignore[attr-defined]
+        forward.__lcv_compiled__ = True  # type: ignore[attr-defined]  # a marker on the function object
         return forward
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_plugin.trainer_attributes import runtime_attributes
 from vision.data.loader import first_images
 from vision.ema import ModelEMA, ema_warmup_decay, lookahead_decay
 from vision.finetune import load_initial_weights, pretrained_state_dict, read_weights_file
@@ -389,7 +390,7 @@ def _first_images(trainer: pl.Trainer, n: int) -> torch.Tensor:
     A datamodule with ``sample_train_images`` (the recipe DataModules) gives a seeded random sample of
     unaugmented images without touching its train loader; otherwise they come from the start of the train
     loader."""
-    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set at runtime by Lightning
+    datamodule = runtime_attributes(trainer).datamodule
     if datamodule is not None and hasattr(datamodule, "sample_train_images"):
         return datamodule.sample_train_images(n).float()
     loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader
