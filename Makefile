@@ -1,11 +1,12 @@
-# Two entry points: `make run` (train the default recipe on the embedded data set) and `make test`;
-# `make typecheck` runs mypy on the three packages (settings in pyproject.toml's [tool.mypy]).
+# Two entry points: `make run` (train the default recipe on the embedded data set) and `make test`, which
+# runs `make lint` (ruff check + ruff format --check over the repository, settings in [tool.ruff]) and
+# `make typecheck` (mypy on the three packages, settings in [tool.mypy]) before pytest: any finding fails it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench typecheck
+.PHONY: run test install clean bench lint typecheck
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +18,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/lcv fit --recipe digits-small
 
-test: $(STAMP)
+test: lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy lightning_plugin kernels vision

@@ -33,12 +33,18 @@ COMMIT_ENV = "LCV_COMMIT"
 def _git_commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=False, cwd=here).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, cwd=here
+        ).stdout.strip()
         if not head:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=False, cwd=here).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=here,
+        ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except OSError:
         return None
@@ -56,13 +62,22 @@ def _gpu_facts() -> dict[str, Any]:
         return {"gpu": None, "driver": None, "cuda": torch.version.cuda, "cudnn": None}
     driver = None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False, timeout=20).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=20,
+        ).stdout.strip()
         driver = out.splitlines()[0] if out else None
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return {"gpu": torch.cuda.get_device_name(0), "driver": driver, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version()}
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+    }
 
 
 def machine_info() -> dict[str, Any]:
@@ -171,7 +186,8 @@ def _fmt(value: Any) -> str:
 
 
 def time_ms(fn: Any, warmup: int, repeats: int) -> float:
-    """Median milliseconds of one ``fn()`` after ``warmup`` calls (CUDA events on a GPU, else perf_counter)."""
+    """Median milliseconds of one ``fn()`` after ``warmup`` calls (CUDA events on a GPU, else
+    perf_counter)."""
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()

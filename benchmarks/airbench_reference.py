@@ -34,17 +34,22 @@ from PIL import Image  # noqa: E402
 
 from benchmarks._common import ResultStream, machine_info, write_results  # noqa: E402
 
-DEFAULT_ZIP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                           "cifar10-jpeg.zip")
+DEFAULT_ZIP = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "cifar10-jpeg.zip"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--zip", default=os.path.normpath(DEFAULT_ZIP), help="CIFAR-10 JPEG zip (ImageFolder layout)")
+    p.add_argument(
+        "--zip", default=os.path.normpath(DEFAULT_ZIP), help="CIFAR-10 JPEG zip (ImageFolder layout)"
+    )
     p.add_argument("--epochs", type=float, default=None, help="default: airbench94's 9.9")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", default=None, help="folder for the decoded train.pt/test.pt (default: a temp dir)")
+    p.add_argument(
+        "--cache", default=None, help="folder for the decoded train.pt/test.pt (default: a temp dir)"
+    )
     p.add_argument("--tag", default="", help="suffix of the result file name")
     return p.parse_args(argv)
 
@@ -60,10 +65,14 @@ def write_airbench_tensors(zip_path: str, folder: str) -> list[str]:
                 raise SystemExit(f"airbench_reference: {zip_path} has no {split}/<class>/*.jpg members")
             if split == "train":  # CIFAR-10's own files mix the classes; airbench whitens on the first 5,000
                 members = [members[i] for i in np.random.default_rng(0).permutation(len(members))]
-            images = np.stack([np.asarray(Image.open(io.BytesIO(zf.read(n))).convert("RGB")) for n in members])
+            images = np.stack(
+                [np.asarray(Image.open(io.BytesIO(zf.read(n))).convert("RGB")) for n in members]
+            )
             labels = [classes.index(n.split("/")[1]) for n in members]
-            torch.save({"images": torch.from_numpy(images), "labels": torch.tensor(labels), "classes": classes},
-                       os.path.join(folder, f"{split}.pt"))
+            torch.save(
+                {"images": torch.from_numpy(images), "labels": torch.tensor(labels), "classes": classes},
+                os.path.join(folder, f"{split}.pt"),
+            )
     return classes
 
 
@@ -85,8 +94,14 @@ def airbench_on_cpu() -> Iterator[None]:
     """Redirect airbench's CUDA/fp16 calls to the CPU in fp32 for the duration of the block."""
     import airbench.utils as ab_utils
 
-    saved = (torch.cuda.Event, torch.cuda.synchronize, torch.nn.Module.cuda, torch.nn.Module.half,
-             torch.Tensor.half, ab_utils.CifarLoader.__init__.__defaults__)
+    saved = (
+        torch.cuda.Event,
+        torch.cuda.synchronize,
+        torch.nn.Module.cuda,
+        torch.nn.Module.half,
+        torch.Tensor.half,
+        ab_utils.CifarLoader.__init__.__defaults__,
+    )
     defaults = list(saved[-1])
     defaults[-1] = "cpu"  # CifarLoader(..., gpu=0) -> torch.load(map_location="cpu")
     torch.cuda.Event = _WallClockEvent
@@ -98,8 +113,14 @@ def airbench_on_cpu() -> Iterator[None]:
     try:
         yield
     finally:
-        (torch.cuda.Event, torch.cuda.synchronize, torch.nn.Module.cuda, torch.nn.Module.half,
-         torch.Tensor.half, ab_utils.CifarLoader.__init__.__defaults__) = saved
+        (
+            torch.cuda.Event,
+            torch.cuda.synchronize,
+            torch.nn.Module.cuda,
+            torch.nn.Module.half,
+            torch.Tensor.half,
+            ab_utils.CifarLoader.__init__.__defaults__,
+        ) = saved
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,15 +128,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.exists(args.zip):
-        raise SystemExit(f"airbench_reference: {args.zip} not found; pass --zip PATH to the CIFAR-10 JPEG zip")
+        raise SystemExit(
+            f"airbench_reference: {args.zip} not found; pass --zip PATH to the CIFAR-10 JPEG zip"
+        )
     if args.epochs is not None and not args.epochs > 0:
         raise SystemExit(f"airbench_reference: --epochs must be > 0, got {args.epochs}")
     try:
         import airbench
         from airbench.lib_airbench94 import hyp
     except ImportError as exc:
-        raise SystemExit("airbench_reference: needs the airbench package: pip install --no-deps airbench==0.1.8") \
-            from exc
+        raise SystemExit(
+            "airbench_reference: needs the airbench package: pip install --no-deps airbench==0.1.8"
+        ) from exc
 
     gpu = torch.cuda.is_available()
     epochs = args.epochs or hyp["opt"]["train_epochs"]
@@ -135,8 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
         with contextlib.ExitStack() as stack:
             if not gpu:
                 stack.enter_context(airbench_on_cpu())  # also makes the loaders' default device the CPU
-            loader = airbench.CifarLoader("cifar10", train=True, batch_size=hyp["opt"]["batch_size"],
-                                          aug=hyp["aug"], altflip=True)
+            loader = airbench.CifarLoader(
+                "cifar10", train=True, batch_size=hyp["opt"]["batch_size"], aug=hyp["aug"], altflip=True
+            )
             test_loader = airbench.CifarLoader("cifar10", train=False, batch_size=2000)
 
             class Tee(io.TextIOBase):
@@ -147,7 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
             with contextlib.redirect_stdout(Tee()):
                 model = airbench.train94(loader, epochs=epochs)
             trained = time.perf_counter()
-            accuracy = {f"tta{level}": airbench.evaluate(model, test_loader, tta_level=level) for level in (0, 2)}
+            accuracy = {
+                f"tta{level}": airbench.evaluate(model, test_loader, tta_level=level) for level in (0, 2)
+            }
     finally:
         os.chdir(cwd)
 
@@ -165,10 +192,22 @@ def main(argv: list[str] | None = None) -> dict:
     }
     name = f"airbench_reference-{'gpu' if gpu else 'cpu'}{'-' + args.tag if args.tag else ''}"
     write_results(name, result)
-    ResultStream("airbench_reference").add({key: result[key] for key in (
-        "epochs", "test_accuracy", "test_accuracy_by_tta_level", "decode_s", "train_and_eval_s")})
-    print(f"airbench train94 on the JPEG set: {100 * accuracy['tta2']:.2f}% (TTA 2), "
-          f"{100 * accuracy['tta0']:.2f}% (no TTA), {result['train_and_eval_s']:.0f} s")
+    ResultStream("airbench_reference").add(
+        {
+            key: result[key]
+            for key in (
+                "epochs",
+                "test_accuracy",
+                "test_accuracy_by_tta_level",
+                "decode_s",
+                "train_and_eval_s",
+            )
+        }
+    )
+    print(
+        f"airbench train94 on the JPEG set: {100 * accuracy['tta2']:.2f}% (TTA 2), "
+        f"{100 * accuracy['tta0']:.2f}% (no TTA), {result['train_and_eval_s']:.0f} s"
+    )
     return result
 
 

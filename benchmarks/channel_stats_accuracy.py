@@ -22,7 +22,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table
-
 from kernels._common import use_triton
 from kernels.batch_norm_act import batch_norm_act
 from kernels.conv_bn_act import conv_bn_act

@@ -24,19 +24,28 @@ import torch  # noqa: E402
 
 from benchmarks._common import ResultStream, machine_info, write_results  # noqa: E402
 
-DEFAULT_ZIP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                           "cifar10-jpeg.zip")
+DEFAULT_ZIP = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "cifar10-jpeg.zip"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--zip", default=os.path.normpath(DEFAULT_ZIP), help="CIFAR-10 JPEG zip (ImageFolder layout)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument(
+        "--zip", default=os.path.normpath(DEFAULT_ZIP), help="CIFAR-10 JPEG zip (ImageFolder layout)"
+    )
     p.add_argument("--recipe", default="cifar10-airbench")
     p.add_argument("--epochs", type=int, default=None, help="train this many epochs (default: the recipe's)")
-    p.add_argument("--widths", type=int, nargs=3, default=None, help="airbench group widths (default: recipe's)")
+    p.add_argument(
+        "--widths", type=int, nargs=3, default=None, help="airbench group widths (default: recipe's)"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default: the recipe's")
     p.add_argument("--limit-per-class", type=int, default=None, help="use only this many images per class")
-    p.add_argument("--tta", default=None, choices=["none", "flip", "flip_translate"], help="default: recipe's")
+    p.add_argument(
+        "--tta", default=None, choices=["none", "flip", "flip_translate"], help="default: recipe's"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="suffix of the result file name")
@@ -60,16 +69,26 @@ def main(argv: list[str] | None = None) -> dict:
     model_overrides = {"tta": args.tta}
     if args.widths:
         model_overrides["model_kwargs"] = {**recipe.model_kwargs, "widths": list(args.widths)}
-    data = {"zip_path": args.zip, "limit_per_class": args.limit_per_class, "batch_size": args.batch_size,
-            "num_workers": max(1, torch.get_num_threads())}
+    data = {
+        "zip_path": args.zip,
+        "limit_per_class": args.limit_per_class,
+        "batch_size": args.batch_size,
+        "num_workers": max(1, torch.get_num_threads()),
+    }
     pl.seed_everything(args.seed, workers=True)
     started = time.perf_counter()
     module, datamodule = build(recipe, data=data, model=model_overrides)
     datamodule.setup("fit")  # decode the JPEGs now, so loading is timed on its own
     loaded = time.perf_counter()
     trainer = build_trainer(
-        recipe, gpu=gpu, max_epochs=args.epochs or recipe.epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        recipe,
+        gpu=gpu,
+        max_epochs=args.epochs or recipe.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         limit_val_batches=0,  # no validation during the run: the test at the end is the measurement
     )
     trainer.fit(module, datamodule)
@@ -77,11 +96,20 @@ def main(argv: list[str] | None = None) -> dict:
     result = trainer.test(module, datamodule, verbose=False)[0]
     tested = time.perf_counter()
 
-    full = {"epochs": recipe.epochs, "widths": list(recipe.model_kwargs.get("widths", [64, 256, 256])),
-            "batch_size": recipe.batch_size, "images_per_class": "all (5000 train / 1000 test)", "tta": recipe.tta}
-    used = {"epochs": trainer.current_epoch, "widths": list(module.hparams.model_kwargs.get("widths", [64, 256, 256])),
-            "batch_size": datamodule.batch_size,
-            "images_per_class": args.limit_per_class or "all (5000 train / 1000 test)", "tta": module.hparams.tta}
+    full = {
+        "epochs": recipe.epochs,
+        "widths": list(recipe.model_kwargs.get("widths", [64, 256, 256])),
+        "batch_size": recipe.batch_size,
+        "images_per_class": "all (5000 train / 1000 test)",
+        "tta": recipe.tta,
+    }
+    used = {
+        "epochs": trainer.current_epoch,
+        "widths": list(module.hparams.model_kwargs.get("widths", [64, 256, 256])),
+        "batch_size": datamodule.batch_size,
+        "images_per_class": args.limit_per_class or "all (5000 train / 1000 test)",
+        "tta": module.hparams.tta,
+    }
     payload = {
         "recipe": recipe.name,
         "data": os.path.basename(args.zip),
@@ -90,23 +118,33 @@ def main(argv: list[str] | None = None) -> dict:
         "train_images": datamodule.train_dataloader().num_samples,
         "test_images": datamodule.test_dataloader().num_samples,
         "steps": trainer.global_step,
-        "seconds": {"load_data": loaded - started, "train": trained - loaded, "test": tested - trained,
-                    "total": tested - started},
+        "seconds": {
+            "load_data": loaded - started,
+            "train": trained - loaded,
+            "test": tested - trained,
+            "total": tested - started,
+        },
         "device": machine_info()["device"],
         "precision": trainer.precision,
         "strategy": type(trainer.strategy).__name__,
         "settings_used": used,
         "full_recipe": full,
         "reduced": {k: {"full": full[k], "used": used[k]} for k in full if full[k] != used[k]},
-        "command": "python benchmarks/cifar10_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/cifar10_accuracy.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    print(f"{recipe.name}: test accuracy {100 * payload['test_accuracy']:.2f}% after {used['epochs']} epochs "
-          f"({payload['steps']} steps) in {payload['seconds']['total']:.0f} s on {payload['device']}")
+    print(
+        f"{recipe.name}: test accuracy {100 * payload['test_accuracy']:.2f}% after {used['epochs']} epochs "
+        f"({payload['steps']} steps) in {payload['seconds']['total']:.0f} s on {payload['device']}"
+    )
     if payload["reduced"]:
         print(f"reduced from the full recipe: {payload['reduced']}")
     if not args.no_write:
         ResultStream("cifar10_accuracy").add(
-            {key: payload[key] for key in ("recipe", "test_accuracy", "steps", "seconds", "precision", "reduced")}
+            {
+                key: payload[key]
+                for key in ("recipe", "test_accuracy", "steps", "seconds", "precision", "reduced")
+            }
             | {"reached_94": payload["test_accuracy"] >= 0.94}
         )
         name = f"cifar10_accuracy-{'gpu' if gpu else 'cpu'}" + (f"-{args.tag}" if args.tag else "")

@@ -46,10 +46,19 @@ MODELS = ("small_cnn", "resnet18")
 def build_network(name: str) -> nn.Module:
     if name == "small_cnn":
         return nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+            nn.Conv2d(3, 32, 3, padding=1, bias=False),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
         )
     if name == "resnet18":
         return torchvision.models.resnet18(num_classes=10)
@@ -99,23 +108,44 @@ def worker(model: str, cache_file: str | None, batch: int, size: int) -> dict[st
     compile_mixin.load_compile_cache = timed_load
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(2 * batch, 3, size, size, generator=g),
-                         torch.randint(0, 10, (2 * batch,), generator=g))
+    data = TensorDataset(
+        torch.randn(2 * batch, 3, size, size, generator=g), torch.randint(0, 10, (2 * batch,), generator=g)
+    )
     timer = FirstStepTimer()
     strategy = lightning_plugin.CompiledStrategy(cache=cache_file or False, compile_eval=False)
-    trainer = L.Trainer(accelerator="auto", devices=1, strategy=strategy, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer])
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=1,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
     trainer.fit(Classifier(model), DataLoader(data, batch_size=batch))
     stats = strategy.compile_stats
-    return {"first_step_s": timer.seconds, "load_s": sum(load_seconds), "graphs": stats.graphs,
-            "compile_time_s": stats.compile_time_s}
+    return {
+        "first_step_s": timer.seconds,
+        "load_s": sum(load_seconds),
+        "graphs": stats.graphs,
+        "compile_time_s": stats.compile_time_s,
+    }
 
 
 def in_fresh_process(args: argparse.Namespace, model: str, inductor_dir: str, cache_file: str | None) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_dir}
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, "--batch", str(args.batch),
-           "--size", str(args.size)] + (["--cache-file", cache_file] if cache_file else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        model,
+        "--batch",
+        str(args.batch),
+        "--size",
+        str(args.size),
+    ] + (["--cache-file", cache_file] if cache_file else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {model} failed:\n{proc.stderr[-3000:]}")
@@ -136,9 +166,12 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, list[float]]:
             runs["load"].append(loaded["load_s"])
             runs["warm"].append(warm["first_step_s"])
             runs["cache_mb"].append(os.path.getsize(cache_file) / 2**20)
-            print(f"{model} repeat {repeat + 1}: cold {cold['first_step_s']:.1f}s, "
-                  f"loaded {loaded['first_step_s']:.1f}s + load {loaded['load_s']:.2f}s, "
-                  f"warm {warm['first_step_s']:.1f}s", flush=True)
+            print(
+                f"{model} repeat {repeat + 1}: cold {cold['first_step_s']:.1f}s, "
+                f"loaded {loaded['first_step_s']:.1f}s + load {loaded['load_s']:.2f}s, "
+                f"warm {warm['first_step_s']:.1f}s",
+                flush=True,
+            )
     return runs
 
 
@@ -161,14 +194,25 @@ def main() -> None:
     for model in args.models:
         runs = raw[model] = measure(args, model)
         cold, loaded, warm = median(runs["cold"]), median(runs["loaded"]), median(runs["warm"])
-        rows.append({"model": model, "cold_s": cold, "loaded_s": loaded, "load_s": median(runs["load"]),
-                     "loaded/cold": loaded / cold, "warm_local_s": warm, "warm/cold": warm / cold,
-                     "cache_mb": median(runs["cache_mb"])})
+        rows.append(
+            {
+                "model": model,
+                "cold_s": cold,
+                "loaded_s": loaded,
+                "load_s": median(runs["load"]),
+                "loaded/cold": loaded / cold,
+                "warm_local_s": warm,
+                "warm/cold": warm / cold,
+                "cache_mb": median(runs["cache_mb"]),
+            }
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = write_results(f"compile_cache-{device}", {"args": vars(args), "runs": raw, "results": rows})
     print(f"results written to {path}")
-    print_table(rows, ["model", "cold_s", "loaded_s", "load_s", "loaded/cold", "warm_local_s", "warm/cold",
-                       "cache_mb"])
+    print_table(
+        rows,
+        ["model", "cold_s", "loaded_s", "load_s", "loaded/cold", "warm_local_s", "warm/cold", "cache_mb"],
+    )
 
 
 if __name__ == "__main__":

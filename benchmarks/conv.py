@@ -41,7 +41,6 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ResultStream, out_of_time, print_table, time_ms, write_results
-
 from kernels.conv_bn_act import DGRAD_ENV, FusedConvBNAct, conv_bn_act, triton_conv_input_grad
 
 # name: (C_in, H, W, C_out, kernel, stride, padding) — torchvision ResNet-50 (v1.5: stride on the 3x3).
@@ -130,7 +129,10 @@ def bench_layer(
             "ours": lambda: conv_bn_act(x, weight, stride=stride, padding=pad),
         },
         "conv+bn+relu": {"cudnn+ops": lambda: eager(x), "ours": lambda: ours(x)},
-        "conv+bn+relu fwd+bwd": {"cudnn+ops": lambda: forward_backward(eager, x_grad), "ours": lambda: forward_backward(ours, x_grad)},
+        "conv+bn+relu fwd+bwd": {
+            "cudnn+ops": lambda: forward_backward(eager, x_grad),
+            "ours": lambda: forward_backward(ours, x_grad),
+        },
     }
     if stride == 1:  # the Triton dgrad covers stride-1 convs
         grad_y = torch.randn(n, k, p, q, device=device, dtype=dtype).contiguous(
@@ -148,13 +150,17 @@ def bench_layer(
     if not args.no_compile:
         label = "inductor" if args.compile_mode == "default" else f"inductor:{args.compile_mode}"
         compiled_eager = torch.compile(
-            eager_block(c, k, r, stride, pad).to(device=device, dtype=dtype, memory_format=torch.channels_last),
-            mode=None if args.compile_mode == "default" else args.compile_mode, backend=args.compile_backend,
+            eager_block(c, k, r, stride, pad).to(
+                device=device, dtype=dtype, memory_format=torch.channels_last
+            ),
+            mode=None if args.compile_mode == "default" else args.compile_mode,
+            backend=args.compile_backend,
         )
         compiled_ours = torch.compile(ours, backend=args.compile_backend)
         cases["conv"][label] = torch.compile(
             lambda: F.conv2d(x, weight, stride=stride, padding=pad),
-            mode=None if args.compile_mode == "default" else args.compile_mode, backend=args.compile_backend,
+            mode=None if args.compile_mode == "default" else args.compile_mode,
+            backend=args.compile_backend,
         )
         cases["conv+bn+relu"][label] = lambda: compiled_eager(x)
         cases["conv+bn+relu"]["ours+inductor"] = lambda: compiled_ours(x)
@@ -172,42 +178,68 @@ def bench_layer(
             try:
                 ms = time_ms(fn, args.warmup, args.repeats)
             except Exception as err:  # noqa: BLE001 - one failing provider must not lose the others
-                stream.add({"layer": name, "shape": dims, "case": case, "provider": prov,
-                            "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+                stream.add(
+                    {
+                        "layer": name,
+                        "shape": dims,
+                        "case": case,
+                        "provider": prov,
+                        "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                    }
+                )
                 continue
             baseline_ms = baseline_ms or ms
             passes = 3.0 if "bwd" in case else 1.0  # fwd + dgrad + wgrad
-            stream.add({
-                "layer": name,
-                "shape": dims,
-                "case": case,
-                "provider": prov,
-                "ms": ms,
-                "TFLOP/s": passes * flops / (ms * 1e-3) / 1e12,
-                "GB/s": passes * conv_bytes / (ms * 1e-3) / 1e9,
-                "speedup_vs_baseline": baseline_ms / ms,
-            })
+            stream.add(
+                {
+                    "layer": name,
+                    "shape": dims,
+                    "case": case,
+                    "provider": prov,
+                    "ms": ms,
+                    "TFLOP/s": passes * flops / (ms * 1e-3) / 1e12,
+                    "GB/s": passes * conv_bytes / (ms * 1e-3) / 1e9,
+                    "speedup_vs_baseline": baseline_ms / ms,
+                }
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch", type=int, default=None,
-                        help="default 256 for ResNet-50 layers, 1024 for airbench layers (2 with --tiny)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="default 256 for ResNet-50 layers, 1024 for airbench layers (2 with --tiny)",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--layers", nargs="*", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--warmup", type=int, default=None, help="default 10 on GPU, 1 on CPU")
     parser.add_argument("--repeats", type=int, default=None, help="default 30 on GPU, 3 on CPU")
-    parser.add_argument("--tiny", action="store_true", help="batch 2, channels/16, spatial/8: a CPU smoke run")
+    parser.add_argument(
+        "--tiny", action="store_true", help="batch 2, channels/16, spatial/8: a CPU smoke run"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers")
     parser.add_argument("--compile-mode", default="default", help="Inductor mode of the compiled baseline")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)")
-    parser.add_argument("--only-providers", nargs="*", default=None,
-                        help="time only these providers besides each case's baseline (e.g. inductor:max-autotune)")
-    parser.add_argument("--case-seconds", type=float, default=15.0,
-                        help="do not start a case with less than this left before the deadline")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)",
+    )
+    parser.add_argument(
+        "--only-providers",
+        nargs="*",
+        default=None,
+        help="time only these providers besides each case's baseline (e.g. inductor:max-autotune)",
+    )
+    parser.add_argument(
+        "--case-seconds",
+        type=float,
+        default=15.0,
+        help="do not start a case with less than this left before the deadline",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -1,4 +1,5 @@
-"""Pack a zip of files (the CIFAR-10 JPEG zip) small enough to travel to a lent GPU machine, and unpack it there.
+"""Pack a zip of files (the CIFAR-10 JPEG zip) small enough to travel to a lent GPU machine, and unpack it
+there.
 
 The device tool carries at most 64 MiB with the working tree. The CIFAR-10 JPEG zip is 59.3 MiB: 6.6 MiB of
 per-member zip headers (60,000 small files) and 52.7 MiB of JPEG files, most of whose bytes are the same
@@ -53,7 +54,9 @@ def unpack(npz_path: str, zip_path: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="zip -> npz")
     p.add_argument("zip")

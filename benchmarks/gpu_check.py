@@ -54,7 +54,8 @@ SHARED_CIFAR_ZIP = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "
 GRACE_S = 15
 #: A step is not started with less than this left.
 MIN_STEP_S = 20
-#: The whole run on a GPU: the device tool's call gets 8 minutes, and set-up (wheels, data) takes well under 1.
+#: The whole run on a GPU: the device tool's call gets 8 minutes, and set-up (wheels, data) takes well
+#: under 1.
 DEFAULT_BUDGET_S = 420
 DRY_RUN_BUDGET_S = 90
 
@@ -89,48 +90,230 @@ def cifar_zip() -> str:
 def steps(data_zip: str | None = None) -> list[Step]:
     """Every step, most valuable first. ``data_zip``: the CIFAR-10 JPEG zip (default: where it travels)."""
     data_zip = data_zip or cifar_zip()
-    tiny_train = ["--tiny", "--compile-backend", "eager", "--warmup", "1", "--steps", "1", "--repeats", "1",
-                  "--batch", "2", "--size", "16", "--no-norm", "--variant-seconds", "2"]
+    tiny_train = [
+        "--tiny",
+        "--compile-backend",
+        "eager",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--batch",
+        "2",
+        "--size",
+        "16",
+        "--no-norm",
+        "--variant-seconds",
+        "2",
+    ]
     return [
         Step("correctness", ["benchmarks/op_correctness.py"], 60, ["benchmarks/op_correctness.py", "--tiny"]),
-        Step("conv", ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"], 90,
-             ["benchmarks/conv.py", "--tiny", "--dtype", "fp32", "--compile-backend", "eager", "--layers",
-              "layer1_1x1_reduce", "airbench_g2_conv2", "--warmup", "0", "--repeats", "1", "--case-seconds", "1"]),
-        Step("norms", ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"], 30,
-             ["benchmarks/resnet_train.py", "--tiny", "--no-train", "--no-compile", "--warmup", "0",
-              "--repeats", "1", "--case-seconds", "1"]),
-        Step("resnet50_train", ["benchmarks/resnet_train.py", "--no-norm", "--variants", "eager", "ours_auto",
-                                "compile", "ours_none", "ours_all", "--warmup", "5", "--repeats", "3"], 180,
-             ["benchmarks/resnet_train.py", *tiny_train, "--variants", "eager", "ours_all", "compile"]),
-        Step("gpu_tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
-                           "--timeout", "120"], 60,
-             ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"]),
-        Step("airbench_train", ["benchmarks/resnet_train.py", "--model", "airbench94", "--no-norm", "--variants",
-                                "eager", "ours_auto", "ours_none", "--warmup", "5", "--repeats", "3"], 60,
-             ["benchmarks/resnet_train.py", *tiny_train, "--model", "airbench94", "--variants", "eager",
-              "ours_auto"]),
-        Step("loader", ["benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048",
-                        "--repeats", "3"], 45,
-             ["benchmarks/loader.py", "--cifar-images", "128", "--jpeg-images", "8", "--repeats", "1",
-              "--batch-size", "64", "--jpeg-batch-size", "8", "--case-seconds", "1"]),
-        Step("cifar10_time_to_94", ["benchmarks/cifar10_accuracy.py", "--zip", data_zip], 75,
-             ["benchmarks/cifar10_accuracy.py", "--zip", data_zip, "--epochs", "1", "--widths", "8", "16", "16",
-              "--batch-size", "16"],
-             needs_file=data_zip),
-        Step("strategy_overhead", ["benchmarks/strategy_overhead.py", "--workloads", "small_cnn,resnet18,vit_tiny",
-                                   "--repeats", "3"], 40,
-             ["benchmarks/strategy_overhead.py", "--compile-backend", "eager", "--no-compile-time", "--workloads",
-              "small_cnn", "--steps", "4", "--warmup", "2", "--repeats", "1"]),
-        Step("airbench_reference", ["benchmarks/airbench_reference.py", "--zip", data_zip], 40, None,
-             needs_module="airbench", needs_file=data_zip,
-             dry_run_skip="not in the dry run (airbench's full-width net needs >= 1,024 images); "
-                          "tests/benchmarks/test_airbench_reference.py covers it"),
-        Step("max_autotune", ["benchmarks/conv.py", "--compile-mode", "max-autotune", "--only-providers",
-                              "inductor:max-autotune", "--layers", "layer1_3x3", "layer3_1x1_reduce",
-                              "airbench_g2_conv2", "--warmup", "5", "--repeats", "20"], 90,
-             ["benchmarks/conv.py", "--tiny", "--dtype", "fp32", "--compile-backend", "eager", "--compile-mode",
-              "max-autotune", "--only-providers", "inductor:max-autotune", "--layers", "layer1_3x3",
-              "--warmup", "0", "--repeats", "1", "--case-seconds", "1"]),
+        Step(
+            "conv",
+            ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"],
+            90,
+            [
+                "benchmarks/conv.py",
+                "--tiny",
+                "--dtype",
+                "fp32",
+                "--compile-backend",
+                "eager",
+                "--layers",
+                "layer1_1x1_reduce",
+                "airbench_g2_conv2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--case-seconds",
+                "1",
+            ],
+        ),
+        Step(
+            "norms",
+            ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"],
+            30,
+            [
+                "benchmarks/resnet_train.py",
+                "--tiny",
+                "--no-train",
+                "--no-compile",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--case-seconds",
+                "1",
+            ],
+        ),
+        Step(
+            "resnet50_train",
+            [
+                "benchmarks/resnet_train.py",
+                "--no-norm",
+                "--variants",
+                "eager",
+                "ours_auto",
+                "compile",
+                "ours_none",
+                "ours_all",
+                "--warmup",
+                "5",
+                "--repeats",
+                "3",
+            ],
+            180,
+            ["benchmarks/resnet_train.py", *tiny_train, "--variants", "eager", "ours_all", "compile"],
+        ),
+        Step(
+            "gpu_tests",
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests", "--timeout", "120"],
+            60,
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"],
+        ),
+        Step(
+            "airbench_train",
+            [
+                "benchmarks/resnet_train.py",
+                "--model",
+                "airbench94",
+                "--no-norm",
+                "--variants",
+                "eager",
+                "ours_auto",
+                "ours_none",
+                "--warmup",
+                "5",
+                "--repeats",
+                "3",
+            ],
+            60,
+            [
+                "benchmarks/resnet_train.py",
+                *tiny_train,
+                "--model",
+                "airbench94",
+                "--variants",
+                "eager",
+                "ours_auto",
+            ],
+        ),
+        Step(
+            "loader",
+            ["benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048", "--repeats", "3"],
+            45,
+            [
+                "benchmarks/loader.py",
+                "--cifar-images",
+                "128",
+                "--jpeg-images",
+                "8",
+                "--repeats",
+                "1",
+                "--batch-size",
+                "64",
+                "--jpeg-batch-size",
+                "8",
+                "--case-seconds",
+                "1",
+            ],
+        ),
+        Step(
+            "cifar10_time_to_94",
+            ["benchmarks/cifar10_accuracy.py", "--zip", data_zip],
+            75,
+            [
+                "benchmarks/cifar10_accuracy.py",
+                "--zip",
+                data_zip,
+                "--epochs",
+                "1",
+                "--widths",
+                "8",
+                "16",
+                "16",
+                "--batch-size",
+                "16",
+            ],
+            needs_file=data_zip,
+        ),
+        Step(
+            "strategy_overhead",
+            [
+                "benchmarks/strategy_overhead.py",
+                "--workloads",
+                "small_cnn,resnet18,vit_tiny",
+                "--repeats",
+                "3",
+            ],
+            40,
+            [
+                "benchmarks/strategy_overhead.py",
+                "--compile-backend",
+                "eager",
+                "--no-compile-time",
+                "--workloads",
+                "small_cnn",
+                "--steps",
+                "4",
+                "--warmup",
+                "2",
+                "--repeats",
+                "1",
+            ],
+        ),
+        Step(
+            "airbench_reference",
+            ["benchmarks/airbench_reference.py", "--zip", data_zip],
+            40,
+            None,
+            needs_module="airbench",
+            needs_file=data_zip,
+            dry_run_skip="not in the dry run (airbench's full-width net needs >= 1,024 images); "
+            "tests/benchmarks/test_airbench_reference.py covers it",
+        ),
+        Step(
+            "max_autotune",
+            [
+                "benchmarks/conv.py",
+                "--compile-mode",
+                "max-autotune",
+                "--only-providers",
+                "inductor:max-autotune",
+                "--layers",
+                "layer1_3x3",
+                "layer3_1x1_reduce",
+                "airbench_g2_conv2",
+                "--warmup",
+                "5",
+                "--repeats",
+                "20",
+            ],
+            90,
+            [
+                "benchmarks/conv.py",
+                "--tiny",
+                "--dtype",
+                "fp32",
+                "--compile-backend",
+                "eager",
+                "--compile-mode",
+                "max-autotune",
+                "--only-providers",
+                "inductor:max-autotune",
+                "--layers",
+                "layer1_3x3",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--case-seconds",
+                "1",
+            ],
+        ),
     ]
 
 
@@ -170,8 +353,15 @@ def run_step(step: Step, argv: list[str], deadline: float, out_dir: str, log_dir
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=step_env, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=budget, check=False)
+            proc = subprocess.run(
+                [sys.executable, *argv],
+                cwd=ROOT,
+                env=step_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=budget,
+                check=False,
+            )
             status = "ok" if proc.returncode == 0 else f"failed (rc={proc.returncode})"
         except subprocess.TimeoutExpired:
             status = f"killed at {budget:.0f}s"
@@ -181,7 +371,12 @@ def run_step(step: Step, argv: list[str], deadline: float, out_dir: str, log_dir
     with open(log_path) as log:
         tail = log.read().splitlines()[-12:]
     row["log_tail"] = tail
-    print(f"=== {step.name}: {status} in {row['seconds']}s, {row['cases']} cases ===", *tail, sep="\n", flush=True)
+    print(
+        f"=== {step.name}: {status} in {row['seconds']}s, {row['cases']} cases ===",
+        *tail,
+        sep="\n",
+        flush=True,
+    )
     return row
 
 
@@ -199,7 +394,9 @@ def hand_over(out_dir: str, summary: dict, results_dir: str, log_dir: str) -> No
     os.replace(tmp, os.path.join(out_dir, "gpu_results.tgz"))
 
 
-def make_tiny_cifar_zip(path: str, classes: int = 10, train_per_class: int = 12, test_per_class: int = 4) -> str:
+def make_tiny_cifar_zip(
+    path: str, classes: int = 10, train_per_class: int = 12, test_per_class: int = 4
+) -> str:
     """A CIFAR-shaped JPEG zip (ImageFolder layout) of random images, for the dry run's accuracy step."""
     import io
 
@@ -218,14 +415,25 @@ def make_tiny_cifar_zip(path: str, classes: int = 10, train_per_class: int = 12,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", nargs="*", help="run only these steps")
     parser.add_argument("--list", action="store_true", help="list the steps, their caps and commands")
-    parser.add_argument("--budget", type=float, default=None,
-                        help=f"seconds for the whole run (default {DEFAULT_BUDGET_S}, {DRY_RUN_BUDGET_S} for --dry-run)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU: every step on tiny shapes (reference ops, the interpreter, backend 'eager')")
-    parser.add_argument("--out", default=None, help="where the results go (default $OUT, else benchmarks/results)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for the whole run (default {DEFAULT_BUDGET_S}, {DRY_RUN_BUDGET_S} for --dry-run)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU: every step on tiny shapes (reference ops, the interpreter, backend 'eager')",
+    )
+    parser.add_argument(
+        "--out", default=None, help="where the results go (default $OUT, else benchmarks/results)"
+    )
     args = parser.parse_args()
     started = time.time()
     work = tempfile.mkdtemp(prefix="lcv-gpu-check-")
@@ -238,18 +446,24 @@ def main() -> None:
             parser.error(f"unknown step(s) {unknown}; steps: {known}")
         all_steps = [s for s in all_steps if s.name in args.only]
     if args.list:
-        print_table([{"step": s.name, "cap_s": s.cap_s, "command": " ".join(s.argv)} for s in all_steps],
-                    ["step", "cap_s", "command"])
+        print_table(
+            [{"step": s.name, "cap_s": s.cap_s, "command": " ".join(s.argv)} for s in all_steps],
+            ["step", "cap_s", "command"],
+        )
         return
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing measured (run it on the GPU machine, or use --dry-run)")
+        print(
+            "gpu_check: no CUDA device here; nothing measured (run it on the GPU machine, or use --dry-run)"
+        )
         sys.exit(2)
     out_dir = args.out or os.environ.get("OUT") or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     # The dry run's full JSONs go to a scratch folder: its tiny CPU numbers must not replace real results.
-    results_dir = os.path.join(work, "results") if args.dry_run else os.environ.get(RESULTS_DIR_ENV, RESULTS_DIR)
+    results_dir = (
+        os.path.join(work, "results") if args.dry_run else os.environ.get(RESULTS_DIR_ENV, RESULTS_DIR)
+    )
     log_dir = os.path.join(work, "logs")
     os.makedirs(log_dir, exist_ok=True)
     stream_path = os.path.join(out_dir, "gpu_check.jsonl")
@@ -257,22 +471,36 @@ def main() -> None:
         os.remove(stream_path)
     budget = args.budget or (DRY_RUN_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S)
     deadline = started + budget
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", STREAM_ENV: stream_path, RESULTS_DIR_ENV: results_dir,
-           # kernels="auto" measures afresh (its per-block ratios are results), never from an old cache
-           "LCV_KERNEL_CACHE_DIR": os.path.join(work, "kernel-cache"),
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        STREAM_ENV: stream_path,
+        RESULTS_DIR_ENV: results_dir,
+        # kernels="auto" measures afresh (its per-block ratios are results), never from an old cache
+        "LCV_KERNEL_CACHE_DIR": os.path.join(work, "kernel-cache"),
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
     if not args.dry_run:
         env.pop("TRITON_INTERPRET", None)
     info = machine_info()
-    print(f"gpu_check{' --dry-run' if args.dry_run else ''} on {info['device']} (driver {info['driver']}, "
-          f"CUDA {info['cuda']}, cuDNN {info['cudnn']}), torch {info['torch']}, triton {info['triton']}, "
-          f"commit {info['commit']}; budget {budget:.0f}s; results in {out_dir}", flush=True)
+    print(
+        f"gpu_check{' --dry-run' if args.dry_run else ''} on {info['device']} (driver {info['driver']}, "
+        f"CUDA {info['cuda']}, cuDNN {info['cudnn']}), torch {info['torch']}, triton {info['triton']}, "
+        f"commit {info['commit']}; budget {budget:.0f}s; results in {out_dir}",
+        flush=True,
+    )
     summary = {"machine": info, "dry_run": args.dry_run, "budget_s": budget, "steps": []}
     for step in all_steps:
         argv = step.dry_argv if args.dry_run else step.argv
         if argv is None:
-            row = {"step": step.name, "status": "skipped", "seconds": 0.0, "cases": 0, "skipped_cases": 0,
-                   "note": step.dry_run_skip}
+            row = {
+                "step": step.name,
+                "status": "skipped",
+                "seconds": 0.0,
+                "cases": 0,
+                "skipped_cases": 0,
+                "note": step.dry_run_skip,
+            }
         else:
             row = run_step(step, argv, deadline, out_dir, log_dir, env)
         summary["steps"].append(row)

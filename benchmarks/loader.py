@@ -1,5 +1,5 @@
-"""Loader throughput, images/s: our compiled batched pipeline vs albumentations and torchvision v2 per sample in a
-DataLoader, and kornia batched, on the same ops and the same images.
+"""Loader throughput, images/s: our compiled batched pipeline vs albumentations and torchvision v2 per sample
+in a DataLoader, and kornia batched, on the same ops and the same images.
 
   cifar:    reflect-pad 4 + random crop 32 + horizontal flip + normalize, from uint8 in memory.
   imagenet: JPEG decode + random resized crop 224 + flip + colour jitter (0.4, 0.4, 0.4, 0.1) + normalize.
@@ -39,12 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import ResultStream, out_of_time, print_table, write_results  # noqa: E402
 
-ZIP = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip"))
+ZIP = os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip")
+)
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
 def load_jpegs(n: int, size: int) -> list[bytes]:
-    """``n`` real CIFAR-10 JPEGs (re-encoded at ``size`` x ``size`` when ``size`` > 0); synthetic if no zip."""
+    """``n`` real CIFAR-10 JPEGs (re-encoded at ``size`` x ``size`` when ``size`` > 0); synthetic if no
+    zip."""
     from PIL import Image
 
     if os.path.exists(ZIP):
@@ -63,7 +66,9 @@ def load_jpegs(n: int, size: int) -> list[bytes]:
     out = []
     for b in blobs:
         buf = io.BytesIO()
-        Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.BICUBIC).save(buf, "JPEG", quality=90)
+        Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.BICUBIC).save(
+            buf, "JPEG", quality=90
+        )
         out.append(buf.getvalue())
     return out
 
@@ -71,8 +76,12 @@ def load_jpegs(n: int, size: int) -> list[bytes]:
 def decode_all(blobs: list[bytes]) -> np.ndarray:
     import cv2
 
-    return np.stack([cv2.cvtColor(cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
-                     for b in blobs])
+    return np.stack(
+        [
+            cv2.cvtColor(cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+            for b in blobs
+        ]
+    )
 
 
 def alternate(sides: dict[str, Callable[[], int]], repeats: int) -> dict[str, list[float]]:
@@ -108,13 +117,20 @@ class _AlbDataset(torch.utils.data.Dataset):
 
         img = self.items[i]
         if self.from_jpeg:
-            img = cv2.cvtColor(cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+            img = cv2.cvtColor(
+                cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB
+            )
         return self.transform(image=img)["image"], 0
 
 
 def albumentations_side(items, transform, from_jpeg: bool, batch_size: int) -> Callable[[], int]:
-    dl = torch.utils.data.DataLoader(_AlbDataset(items, transform, from_jpeg), batch_size=batch_size,
-                                     num_workers=2, persistent_workers=True, shuffle=True)
+    dl = torch.utils.data.DataLoader(
+        _AlbDataset(items, transform, from_jpeg),
+        batch_size=batch_size,
+        num_workers=2,
+        persistent_workers=True,
+        shuffle=True,
+    )
     return lambda: count(dl)
 
 
@@ -123,16 +139,30 @@ def alb_cifar():
     import cv2
     from albumentations.pytorch import ToTensorV2
 
-    return A.Compose([A.Pad(4, border_mode=cv2.BORDER_REFLECT_101), A.RandomCrop(32, 32), A.HorizontalFlip(),
-                      A.Normalize(MEAN, STD), ToTensorV2()])
+    return A.Compose(
+        [
+            A.Pad(4, border_mode=cv2.BORDER_REFLECT_101),
+            A.RandomCrop(32, 32),
+            A.HorizontalFlip(),
+            A.Normalize(MEAN, STD),
+            ToTensorV2(),
+        ]
+    )
 
 
 def alb_imagenet():
     import albumentations as A
     from albumentations.pytorch import ToTensorV2
 
-    return A.Compose([A.RandomResizedCrop((224, 224)), A.HorizontalFlip(), A.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0),
-                      A.Normalize(), ToTensorV2()])
+    return A.Compose(
+        [
+            A.RandomResizedCrop((224, 224)),
+            A.HorizontalFlip(),
+            A.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0),
+            A.Normalize(),
+            ToTensorV2(),
+        ]
+    )
 
 
 def albumentations_missing() -> str | None:
@@ -158,29 +188,49 @@ class _TorchvisionDataset(torch.utils.data.Dataset):
 
         img = self.items[i]
         if self.from_jpeg:
-            img = tio.decode_jpeg(torch.frombuffer(bytearray(img), dtype=torch.uint8), mode=tio.ImageReadMode.RGB)
+            img = tio.decode_jpeg(
+                torch.frombuffer(bytearray(img), dtype=torch.uint8), mode=tio.ImageReadMode.RGB
+            )
         return self.transform(img), 0
 
 
 def torchvision_side(items, transform, from_jpeg: bool, batch_size: int) -> Callable[[], int]:
-    dl = torch.utils.data.DataLoader(_TorchvisionDataset(items, transform, from_jpeg), batch_size=batch_size,
-                                     num_workers=2, persistent_workers=True, shuffle=True)
+    dl = torch.utils.data.DataLoader(
+        _TorchvisionDataset(items, transform, from_jpeg),
+        batch_size=batch_size,
+        num_workers=2,
+        persistent_workers=True,
+        shuffle=True,
+    )
     return lambda: count(dl)
 
 
 def tv_cifar():
     import torchvision.transforms.v2 as T
 
-    return T.Compose([T.Pad(4, padding_mode="reflect"), T.RandomCrop(32), T.RandomHorizontalFlip(),
-                      T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)])
+    return T.Compose(
+        [
+            T.Pad(4, padding_mode="reflect"),
+            T.RandomCrop(32),
+            T.RandomHorizontalFlip(),
+            T.ToDtype(torch.float32, scale=True),
+            T.Normalize(MEAN, STD),
+        ]
+    )
 
 
 def tv_imagenet():
     import torchvision.transforms.v2 as T
 
-    return T.Compose([T.RandomResizedCrop(224, antialias=False), T.RandomHorizontalFlip(),
-                      T.ColorJitter(0.4, 0.4, 0.4, 0.1), T.ToDtype(torch.float32, scale=True),
-                      T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    return T.Compose(
+        [
+            T.RandomResizedCrop(224, antialias=False),
+            T.RandomHorizontalFlip(),
+            T.ColorJitter(0.4, 0.4, 0.4, 0.1),
+            T.ToDtype(torch.float32, scale=True),
+            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------------- kornia
@@ -195,16 +245,22 @@ def kornia_missing() -> str | None:
 def kornia_cifar(device: str = "cpu"):
     import kornia.augmentation as K
 
-    return torch.nn.Sequential(K.RandomCrop((32, 32), padding=4, padding_mode="reflect"), K.RandomHorizontalFlip(),
-                               K.Normalize(torch.tensor(MEAN), torch.tensor(STD))).to(device)
+    return torch.nn.Sequential(
+        K.RandomCrop((32, 32), padding=4, padding_mode="reflect"),
+        K.RandomHorizontalFlip(),
+        K.Normalize(torch.tensor(MEAN), torch.tensor(STD)),
+    ).to(device)
 
 
 def kornia_imagenet(device: str = "cpu"):
     import kornia.augmentation as K
 
     return torch.nn.Sequential(
-        K.RandomResizedCrop((224, 224)), K.RandomHorizontalFlip(), K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0),
-        K.Normalize(torch.tensor((0.485, 0.456, 0.406)), torch.tensor((0.229, 0.224, 0.225)))).to(device)
+        K.RandomResizedCrop((224, 224)),
+        K.RandomHorizontalFlip(),
+        K.ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0),
+        K.Normalize(torch.tensor((0.485, 0.456, 0.406)), torch.tensor((0.229, 0.224, 0.225))),
+    ).to(device)
 
 
 def kornia_side(images: torch.Tensor, aug, batch_size: int) -> Callable[[], int]:
@@ -214,7 +270,7 @@ def kornia_side(images: torch.Tensor, aug, batch_size: int) -> Callable[[], int]
         order = torch.randperm(len(images))
         with torch.no_grad():
             for s in range(0, len(images), batch_size):
-                aug(images[order[s: s + batch_size]].float().div_(255))
+                aug(images[order[s : s + batch_size]].float().div_(255))
         return len(images)
 
     return run
@@ -233,7 +289,7 @@ def kornia_jpeg_side(blobs: list[bytes], aug, batch_size: int) -> Callable[[], i
 
     def run() -> int:
         order = torch.randperm(len(blobs)).tolist()
-        batches = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+        batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
         pending = [pool.submit(decode, blobs[i]) for i in batches[0]]
         with torch.no_grad():
             for b in range(len(batches)):
@@ -258,13 +314,17 @@ def ours_imagenet():
     """Our batched equivalent of ``alb_imagenet()``, built without albumentations."""
     from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
 
-    return Pipeline([RandomResizedCrop(224), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()])
+    return Pipeline(
+        [RandomResizedCrop(224), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()]
+    )
 
 
 def ours_side(images: torch.Tensor, pipeline, batch_size: int, device: str = "cpu") -> Callable[[], int]:
     from vision.data import DeviceLoader
 
-    loader = DeviceLoader(images, torch.zeros(len(images), dtype=torch.long), batch_size, pipeline, device=device)
+    loader = DeviceLoader(
+        images, torch.zeros(len(images), dtype=torch.long), batch_size, pipeline, device=device
+    )
 
     def run() -> int:
         n = count(loader)
@@ -283,7 +343,9 @@ def ours_jpeg_side(blobs: list[bytes], pipeline, batch_size: int) -> Callable[[]
         def read(self, i: int) -> bytes:
             return blobs[i]
 
-    enc = InMemory([f"img{i}.jpg" for i in range(len(blobs))], torch.zeros(len(blobs), dtype=torch.long), ["x"])
+    enc = InMemory(
+        [f"img{i}.jpg" for i in range(len(blobs))], torch.zeros(len(blobs), dtype=torch.long), ["x"]
+    )
     loader = DeviceLoader(enc, enc.targets, batch_size, pipeline, decode_threads=2)
     return lambda: count(loader)
 
@@ -305,9 +367,15 @@ def cpu_time_rows(args) -> list[dict]:
     cv2.setNumThreads(1)
     rows = []
     cifar = torch.from_numpy(decode_all(load_jpegs(512, 0))).permute(0, 3, 1, 2).contiguous()
-    big = torch.from_numpy(decode_all(load_jpegs(64, max(args.jpeg_size + [256])))).permute(0, 3, 1, 2).contiguous()
-    for name, compose, native, images in (("cifar pad-crop+flip+normalize", alb_cifar(), ours_cifar(), cifar),
-                                          ("RRC224+flip+jitter+normalize", alb_imagenet(), ours_imagenet(), big)):
+    big = (
+        torch.from_numpy(decode_all(load_jpegs(64, max(args.jpeg_size + [256]))))
+        .permute(0, 3, 1, 2)
+        .contiguous()
+    )
+    for name, compose, native, images in (
+        ("cifar pad-crop+flip+normalize", alb_cifar(), ours_cifar(), cifar),
+        ("RRC224+flip+jitter+normalize", alb_imagenet(), ours_imagenet(), big),
+    ):
         eager, compiled = Pipeline(native.ops, compile=False), Pipeline(native.ops, compile=True)
         hwc = [im.permute(1, 2, 0).numpy().copy() for im in images]
         times: dict[str, list[float]] = {"eager": [], "compiled": [], "albumentations": []}
@@ -321,11 +389,16 @@ def cpu_time_rows(args) -> list[dict]:
                 compose(image=im)
             times["albumentations"].append(time.thread_time() - t)
         ms = {k: statistics.median(v[1:]) / len(images) * 1e3 for k, v in times.items()}
-        rows.append({"pipeline": name, "albumentations_ms_per_img": round(ms["albumentations"], 4),
-                     "ours_eager_ms_per_img": round(ms["eager"], 4),
-                     "ours_compiled_ms_per_img": round(ms["compiled"], 4),
-                     "compiled_vs_albumentations": round(ms["albumentations"] / ms["compiled"], 2),
-                     "compiled_vs_eager": round(ms["eager"] / ms["compiled"], 2)})
+        rows.append(
+            {
+                "pipeline": name,
+                "albumentations_ms_per_img": round(ms["albumentations"], 4),
+                "ours_eager_ms_per_img": round(ms["eager"], 4),
+                "ours_compiled_ms_per_img": round(ms["compiled"], 4),
+                "compiled_vs_albumentations": round(ms["albumentations"] / ms["compiled"], 2),
+                "compiled_vs_eager": round(ms["eager"] / ms["compiled"], 2),
+            }
+        )
     torch.set_num_threads(threads)
     return rows
 
@@ -334,22 +407,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cifar-images", type=int, default=8192)
     ap.add_argument("--jpeg-images", type=int, default=256)
-    ap.add_argument("--jpeg-size", type=int, nargs="+", default=[0],
-                    help="re-encode the JPEGs at S x S (0: the native 32 x 32 CIFAR files); several allowed")
+    ap.add_argument(
+        "--jpeg-size",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="re-encode the JPEGs at S x S (0: the native 32 x 32 CIFAR files); several allowed",
+    )
     ap.add_argument("--batch-size", type=int, default=512)
     ap.add_argument("--jpeg-batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-cifar", action="store_true")
-    ap.add_argument("--case-seconds", type=float, default=20.0,
-                    help="do not start a pipeline with less than this left before the deadline")
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="also report single-thread CPU time per image of the augmentation alone")
+    ap.add_argument(
+        "--case-seconds",
+        type=float,
+        default=20.0,
+        help="do not start a pipeline with less than this left before the deadline",
+    )
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also report single-thread CPU time per image of the augmentation alone",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
 
     src = "real CIFAR-10 JPEGs" if os.path.exists(ZIP) else "synthetic JPEGs (shared zip not found)"
-    print(f"data: {src}; torch {torch.__version__}; CPU threads {torch.get_num_threads()}; "
-          f"median of {args.repeats} alternating passes after a warm-up")
+    print(
+        f"data: {src}; torch {torch.__version__}; CPU threads {torch.get_num_threads()}; "
+        f"median of {args.repeats} alternating passes after a warm-up"
+    )
     stream = ResultStream("loader")
     no_alb = albumentations_missing()
     if no_alb:
@@ -405,14 +492,37 @@ def main() -> None:
             sides["kornia"] = kornia_jpeg_side(blobs, kornia_imagenet(), args.jpeg_batch_size)
         record(name, alternate(sides, args.repeats))
     rows = stream.rows
-    print_table(rows, ["pipeline", "ours_img_s", "albumentations_img_s", "vs_alb", "vs_alb_range",
-                       "torchvision_img_s", "vs_tv", "kornia_img_s", "vs_kornia"])
+    print_table(
+        rows,
+        [
+            "pipeline",
+            "ours_img_s",
+            "albumentations_img_s",
+            "vs_alb",
+            "vs_alb_range",
+            "torchvision_img_s",
+            "vs_tv",
+            "kornia_img_s",
+            "vs_kornia",
+        ],
+    )
     payload = {"args": vars(args), "data": src, "rows": rows}
     if args.cpu_time and not no_alb:
         cpu_rows = cpu_time_rows(args)
-        print("single-thread CPU time per image, augmentation only (ratios: the other side's time / compiled):")
-        print_table(cpu_rows, ["pipeline", "albumentations_ms_per_img", "ours_eager_ms_per_img",
-                               "ours_compiled_ms_per_img", "compiled_vs_albumentations", "compiled_vs_eager"])
+        print(
+            "single-thread CPU time per image, augmentation only (ratios: the other side's time / compiled):"
+        )
+        print_table(
+            cpu_rows,
+            [
+                "pipeline",
+                "albumentations_ms_per_img",
+                "ours_eager_ms_per_img",
+                "ours_compiled_ms_per_img",
+                "compiled_vs_albumentations",
+                "compiled_vs_eager",
+            ],
+        )
         payload["cpu_time_rows"] = cpu_rows
 
     if not torch.cuda.is_available():
@@ -434,13 +544,27 @@ def gpu_measurements(args, stream: ResultStream) -> list[dict]:
     hwc = decode_all(load_jpegs(args.cifar_images, 0))
     images = torch.from_numpy(hwc).permute(0, 3, 1, 2).contiguous()
     rate = alternate({"ours": ours_side(images, ours_cifar(), args.batch_size, device="cuda")}, args.repeats)
-    stream.add({"pipeline": "cifar", "side": "ours cuda (resident)", "img_s": round(statistics.median(rate["ours"]))})
+    stream.add(
+        {"pipeline": "cifar", "side": "ours cuda (resident)", "img_s": round(statistics.median(rate["ours"]))}
+    )
     big = torch.nn.functional.interpolate(images[: args.jpeg_images * 4].float(), size=256).round().byte()
     rate = alternate({"ours": ours_side(big, ours_imagenet(), 256, device="cuda")}, args.repeats)
-    stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "ours cuda (resident)",
-                "img_s": round(statistics.median(rate["ours"]))})
-    tv = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.4, 0.4, 0.4, 0.1),
-                    T.ToDtype(torch.float32, scale=True), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    stream.add(
+        {
+            "pipeline": "imagenet-style from uint8 256x256",
+            "side": "ours cuda (resident)",
+            "img_s": round(statistics.median(rate["ours"])),
+        }
+    )
+    tv = T.Compose(
+        [
+            T.RandomResizedCrop(224),
+            T.RandomHorizontalFlip(),
+            T.ColorJitter(0.4, 0.4, 0.4, 0.1),
+            T.ToDtype(torch.float32, scale=True),
+            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
     dev_imgs = big.cuda()
 
     def tv_run() -> int:
@@ -450,8 +574,13 @@ def gpu_measurements(args, stream: ResultStream) -> list[dict]:
         return len(dev_imgs)
 
     rate = alternate({"tv": tv_run}, args.repeats)
-    stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "torchvision v2 per sample",
-                "img_s": round(statistics.median(rate["tv"]))})
+    stream.add(
+        {
+            "pipeline": "imagenet-style from uint8 256x256",
+            "side": "torchvision v2 per sample",
+            "img_s": round(statistics.median(rate["tv"])),
+        }
+    )
     if kornia_missing():
         stream.skip("kornia batched", kornia_missing())
         return rows[start:]
@@ -459,13 +588,18 @@ def gpu_measurements(args, stream: ResultStream) -> list[dict]:
 
     def k_run() -> int:
         for s in range(0, len(dev_imgs), 256):
-            aug(dev_imgs[s: s + 256].float() / 255)
+            aug(dev_imgs[s : s + 256].float() / 255)
         torch.cuda.synchronize()
         return len(dev_imgs)
 
     rate = alternate({"kornia": k_run}, args.repeats)
-    stream.add({"pipeline": "imagenet-style from uint8 256x256", "side": "kornia batched",
-                "img_s": round(statistics.median(rate["kornia"]))})
+    stream.add(
+        {
+            "pipeline": "imagenet-style from uint8 256x256",
+            "side": "kornia batched",
+            "img_s": round(statistics.median(rate["kornia"])),
+        }
+    )
     return rows[start:]
 
 

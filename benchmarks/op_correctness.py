@@ -44,22 +44,35 @@ def _layer_norm_2d(channels: int) -> nn.Module:
     return LayerNorm2d(channels)
 
 
-def _builders() -> dict[str, tuple[str, Callable[[int, int], nn.Sequential], Callable[[nn.Sequential], nn.Module]]]:
+def _builders() -> dict[
+    str, tuple[str, Callable[[int, int], nn.Sequential], Callable[[nn.Sequential], nn.Module]]
+]:
     """op → (tolerance family, eager block of (C, K), fused module sharing that block's state)."""
     from kernels import FusedBatchNormAct, FusedConvBNAct, FusedGroupNormAct, FusedLayerNorm2dAct
 
     return {
         "conv_bn_act": (
             "conv",
-            lambda c, k: nn.Sequential(nn.Conv2d(c, k, 3, padding=1, bias=False), nn.BatchNorm2d(k), nn.ReLU()),
+            lambda c, k: nn.Sequential(
+                nn.Conv2d(c, k, 3, padding=1, bias=False), nn.BatchNorm2d(k), nn.ReLU()
+            ),
             lambda b: FusedConvBNAct.from_modules(b[0], b[1], b[2]),
         ),
-        "batch_norm_act": ("norm", lambda c, k: nn.Sequential(nn.BatchNorm2d(c), nn.ReLU()),
-                           lambda b: FusedBatchNormAct.from_module(b[0], b[1])),
-        "group_norm_act": ("norm", lambda c, k: nn.Sequential(nn.GroupNorm(2, c), nn.SiLU()),
-                           lambda b: FusedGroupNormAct.from_module(b[0], b[1])),
-        "layer_norm2d_act": ("norm", lambda c, k: nn.Sequential(_layer_norm_2d(c), nn.GELU()),
-                             lambda b: FusedLayerNorm2dAct.from_module(b[0], b[1])),
+        "batch_norm_act": (
+            "norm",
+            lambda c, k: nn.Sequential(nn.BatchNorm2d(c), nn.ReLU()),
+            lambda b: FusedBatchNormAct.from_module(b[0], b[1]),
+        ),
+        "group_norm_act": (
+            "norm",
+            lambda c, k: nn.Sequential(nn.GroupNorm(2, c), nn.SiLU()),
+            lambda b: FusedGroupNormAct.from_module(b[0], b[1]),
+        ),
+        "layer_norm2d_act": (
+            "norm",
+            lambda c, k: nn.Sequential(_layer_norm_2d(c), nn.GELU()),
+            lambda b: FusedLayerNorm2dAct.from_module(b[0], b[1]),
+        ),
     }
 
 
@@ -84,8 +97,9 @@ def _worst(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: floa
     return float(diff.max()), float((diff / allowed).max())
 
 
-def check_case(op: str, shape: tuple[int, ...], dtype_name: str, layout: str, training: bool,
-               device: torch.device) -> dict:
+def check_case(
+    op: str, shape: tuple[int, ...], dtype_name: str, layout: str, training: bool, device: torch.device
+) -> dict:
     """One fused op vs float64 eager: forward output, input gradient, parameter gradients."""
     from kernels.tolerances import tolerance
 
@@ -111,17 +125,28 @@ def check_case(op: str, shape: tuple[int, ...], dtype_name: str, layout: str, tr
     y_ref.backward(probe)
 
     atol, rtol = tolerance(family, dtype)
-    grad_atol, grad_rtol = (atol * 10, rtol * 10) if dtype != torch.float32 else tolerance(family + "_grad", dtype)
-    checks = {"out": (y.detach().cpu(), y_ref.detach(), atol, rtol),
-              "grad_x": (x.grad.cpu(), x64.grad, grad_atol, grad_rtol)}
+    grad_atol, grad_rtol = (
+        (atol * 10, rtol * 10) if dtype != torch.float32 else tolerance(family + "_grad", dtype)
+    )
+    checks = {
+        "out": (y.detach().cpu(), y_ref.detach(), atol, rtol),
+        "grad_x": (x.grad.cpu(), x64.grad, grad_atol, grad_rtol),
+    }
     for (name, p), p_ref in zip(block.named_parameters(), reference.parameters()):
         checks[f"grad_{name}"] = (p.grad.cpu(), p_ref.grad, grad_atol, grad_rtol)
     errors = {name: _worst(*args) for name, args in checks.items()}
     worst_name = max(errors, key=lambda name: errors[name][1])
-    return {"op": op, "dtype": dtype_name, "layout": layout, "mode": "train" if training else "eval",
-            "shape": "N{} C{} {}x{} K{}".format(*shape), "max_abs_err_out": errors["out"][0],
-            "worst": worst_name, "worst_err_over_tol": errors[worst_name][1],
-            "ok": all(ratio <= 1.0 for _, ratio in errors.values())}
+    return {
+        "op": op,
+        "dtype": dtype_name,
+        "layout": layout,
+        "mode": "train" if training else "eval",
+        "shape": "N{} C{} {}x{} K{}".format(*shape),
+        "max_abs_err_out": errors["out"][0],
+        "worst": worst_name,
+        "worst_err_over_tol": errors[worst_name][1],
+        "ok": all(ratio <= 1.0 for _, ratio in errors.values()),
+    }
 
 
 def cases(args: argparse.Namespace) -> Iterator[tuple]:
@@ -139,12 +164,20 @@ def cases(args: argparse.Namespace) -> Iterator[tuple]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true",
-                        help="CPU dry run: the Triton interpreter, fp32, one tiny shape")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="CPU dry run: the Triton interpreter, fp32, one tiny shape"
+    )
     parser.add_argument("--ops", nargs="*", default=list(_builders()), choices=list(_builders()))
-    parser.add_argument("--dtypes", nargs="*", default=None, choices=list(DTYPES),
-                        help="default bf16 fp32 fp16 on a GPU, fp32 on CPU")
+    parser.add_argument(
+        "--dtypes",
+        nargs="*",
+        default=None,
+        choices=list(DTYPES),
+        help="default bf16 fp32 fp16 on a GPU, fp32 on CPU",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     if not torch.cuda.is_available() and not args.tiny:
@@ -163,17 +196,27 @@ def main() -> None:
         try:
             row = check_case(op, shape, dtype_name, layout, training, device)
         except Exception as err:  # noqa: BLE001 - one broken case must not hide the others
-            row = {"op": op, "dtype": dtype_name, "layout": layout, "mode": "train" if training else "eval",
-                   "shape": "N{} C{} {}x{} K{}".format(*shape), "ok": False,
-                   "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            row = {
+                "op": op,
+                "dtype": dtype_name,
+                "layout": layout,
+                "mode": "train" if training else "eval",
+                "shape": "N{} C{} {}x{} K{}".format(*shape),
+                "ok": False,
+                "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            }
         row["seconds"] = time.perf_counter() - started
         stream.add(row)
         print(("ok  " if row["ok"] else "FAIL") + f" {label} {row.get('error', '')}", flush=True)
     rows = stream.rows
-    print_table(rows, ["op", "dtype", "layout", "mode", "shape", "worst", "worst_err_over_tol", "ok", "error"])
+    print_table(
+        rows, ["op", "dtype", "layout", "mode", "shape", "worst", "worst_err_over_tol", "ok", "error"]
+    )
     failed = [r for r in rows if not r["ok"]]
-    out = write_results(f"op_correctness-{'gpu' if cuda else 'cpu'}", {"args": vars(args), "path": path,
-                                                                      "rows": rows, "failed": len(failed)})
+    out = write_results(
+        f"op_correctness-{'gpu' if cuda else 'cpu'}",
+        {"args": vars(args), "path": path, "rows": rows, "failed": len(failed)},
+    )
     print(f"{len(rows) - len(failed)}/{len(rows)} cases within tolerance; wrote {out}")
     sys.exit(1 if failed else 0)
 

@@ -1,5 +1,5 @@
-"""Training throughput: eager vs Inductor vs our compiled strategy with kernel substitutions (none, auto, all),
-plus the normalization kernels alone against device-to-device copy bandwidth. One process, one script.
+"""Training throughput: eager vs Inductor vs our compiled strategy with kernel substitutions (none, auto,
+all), plus the normalization kernels alone against device-to-device copy bandwidth. One process, one script.
 
 Training (default: torchvision ResNet-50, batch 256, 224 px, bf16 autocast, channels_last, SGD momentum;
 ``--model airbench94``: the airbench94 net, batch 1024, 32 px): each variant starts from the same weights,
@@ -53,18 +53,29 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ResultStream, out_of_time, print_table, time_ms, write_results
-
 from kernels.batch_norm_act import batch_norm_act
 from kernels.group_norm_act import group_norm_act
 from kernels.layer_norm2d_act import layer_norm2d_act
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import KNOWN_KERNELS, CompileConfig
 
-VARIANTS = ("eager", "compile", "ours_none", "ours_auto", "ours_all", "ours_no_conv", "eager_kernels",
-            "max_autotune")
+VARIANTS = (
+    "eager",
+    "compile",
+    "ours_none",
+    "ours_auto",
+    "ours_all",
+    "ours_no_conv",
+    "eager_kernels",
+    "max_autotune",
+)
 #: CompileConfig.kernels of each strategy variant.
-STRATEGY_KERNELS = {"ours_none": "none", "ours_auto": "auto", "ours_all": "all",
-                    "ours_no_conv": [k for k in KNOWN_KERNELS if k != "conv_bn_act"]}
+STRATEGY_KERNELS = {
+    "ours_none": "none",
+    "ours_auto": "auto",
+    "ours_all": "all",
+    "ours_no_conv": [k for k in KNOWN_KERNELS if k != "conv_bn_act"],
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (name, N, C, H, W): ResNet-50 activations that a BatchNorm/GroupNorm sees, at the default batch.
 NORM_SHAPES = (
@@ -112,8 +123,13 @@ def prepare_variant(
     if name in STRATEGY_KERNELS:
         # fallback="raise": a compile failure must not be timed as "ours" running eagerly
         compiler = ModuleCompiler(
-            CompileConfig(kernels=STRATEGY_KERNELS[name], channels_last=True, mode=args.ours_mode,
-                          backend=args.compile_backend, fallback="raise")
+            CompileConfig(
+                kernels=STRATEGY_KERNELS[name],
+                channels_last=True,
+                mode=args.ours_mode,
+                backend=args.compile_backend,
+                fallback="raise",
+            )
         )
         compiler.compile(model, device)
         report = compiler.substitution_report
@@ -190,8 +206,11 @@ def bench_training(
         try:
             row = {"model": args.model, **train_variant(name, base, x, y, dtype, args)}
         except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
-            row = {"model": args.model, "variant": name,
-                   "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            row = {
+                "model": args.model,
+                "variant": name,
+                "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            }
         for ref in ("eager", "compile", "max_autotune"):
             ref_row = next((r for r in rows if r["variant"] == ref and "images_per_s" in r), None)
             if ref_row is not None and "images_per_s" in row:
@@ -291,7 +310,9 @@ def bench_norms(
                 fwd_ms, both_ms = _time_fwd_and_bwd(fn, x, args)
                 # effective traffic: fwd reads x, writes y; bwd reads grad and x, writes dx
                 rows.append(stream.add(_gbs_row(name, op, provider, "fwd", fwd_ms, 2 * nbytes, copy_gbs)))
-                rows.append(stream.add(_gbs_row(name, op, provider, "fwd+bwd", both_ms, 5 * nbytes, copy_gbs)))
+                rows.append(
+                    stream.add(_gbs_row(name, op, provider, "fwd+bwd", both_ms, 5 * nbytes, copy_gbs))
+                )
     return rows
 
 
@@ -303,20 +324,41 @@ def main() -> None:
         "--tiny", action="store_true", help="CPU smoke run: ResNet-50 structure at 1/8 width, 32 px"
     )
     parser.add_argument("--model", choices=("resnet50", "airbench94"), default="resnet50")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="default 256 for resnet50, 1024 for airbench94 (4 with --tiny)")
-    parser.add_argument("--size", type=int, default=None,
-                        help="image size, default 224 for resnet50, 32 for airbench94 (and with --tiny)")
-    parser.add_argument("--classes", type=int, default=None, help="default 1000 for resnet50, 10 for airbench94")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="default 256 for resnet50, 1024 for airbench94 (4 with --tiny)",
+    )
+    parser.add_argument(
+        "--size",
+        type=int,
+        default=None,
+        help="image size, default 224 for resnet50, 32 for airbench94 (and with --tiny)",
+    )
+    parser.add_argument(
+        "--classes", type=int, default=None, help="default 1000 for resnet50, 10 for airbench94"
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16 (fp32 with --tiny)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--ours-mode", default=None, help="CompileConfig.mode for the 'ours_*' variants")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)")
-    parser.add_argument("--variant-seconds", type=float, default=60.0,
-                        help="do not start a training variant with less than this left before the deadline")
-    parser.add_argument("--case-seconds", type=float, default=10.0,
-                        help="do not start a norm case with less than this left before the deadline")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)",
+    )
+    parser.add_argument(
+        "--variant-seconds",
+        type=float,
+        default=60.0,
+        help="do not start a training variant with less than this left before the deadline",
+    )
+    parser.add_argument(
+        "--case-seconds",
+        type=float,
+        default=10.0,
+        help="do not start a norm case with less than this left before the deadline",
+    )
     parser.add_argument(
         "--warmup", type=int, default=None, help="steps before timing, default 10 (2 with --tiny)"
     )
@@ -367,7 +409,11 @@ def main() -> None:
         )
     if norm_rows:
         print_table(norm_rows, ["shape", "op", "provider", "mode", "ms", "GB/s", "pct_of_copy"])
-    parts = ["gpu" if cuda else "cpu"] + (["airbench94"] if airbench else []) + (["norms"] if args.no_train else [])
+    parts = (
+        ["gpu" if cuda else "cpu"]
+        + (["airbench94"] if airbench else [])
+        + (["norms"] if args.no_train else [])
+    )
     path = write_results(
         "resnet_train-" + "-".join(parts),
         {

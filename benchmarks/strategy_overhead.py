@@ -38,9 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
-
 import lightning_plugin  # noqa: E402
+from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
 
 
 class SmallCNN(nn.Module):
@@ -48,9 +47,17 @@ class SmallCNN(nn.Module):
         super().__init__()
         c = channels
         self.features = nn.Sequential(
-            nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
-            nn.Conv2d(c, 2 * c, 3, padding=1, bias=False), nn.BatchNorm2d(2 * c), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(2 * c, 2 * c, 3, padding=1, bias=False), nn.BatchNorm2d(2 * c), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Conv2d(c, 2 * c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * c),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * c, 2 * c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * c),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Linear(2 * c, num_classes)
 
@@ -122,8 +129,9 @@ BACKEND_ENV = "LCV_BENCH_COMPILE_BACKEND"
 
 
 def strategy_for(side: str) -> Any:
-    """The compiled sides use ``compile="always"``: with the default ``"auto"`` a side that measured slower than
-    eager would switch to eager after its first steps, and this benchmark would time eager twice."""
+    """The compiled sides use ``compile="always"``: with the default ``"auto"`` a side that measured
+    slower than eager would switch to eager after its first steps, and this benchmark would time eager
+    twice."""
     if side == "eager":
         return "auto"
     backend = os.environ.get(BACKEND_ENV, "inductor")
@@ -170,8 +178,16 @@ def _sync() -> None:
 
 def _trainer(strategy: Any, timer: BatchTimer, **kwargs: Any) -> L.Trainer:
     return L.Trainer(
-        accelerator="auto", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0, **kwargs,
+        accelerator="auto",
+        devices=1,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        num_sanity_val_steps=0,
+        **kwargs,
     )
 
 
@@ -179,8 +195,9 @@ def fit_synthetic(workload: Workload, side: str, steps: int) -> BatchTimer:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     n = workload.batch * steps
-    data = TensorDataset(torch.randn(n, 3, workload.size, workload.size, generator=g),
-                         torch.randint(0, 10, (n,), generator=g))
+    data = TensorDataset(
+        torch.randn(n, 3, workload.size, workload.size, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
     timer = BatchTimer()
     _trainer(strategy_for(side), timer, max_epochs=1).fit(
         Classifier(workload.build()), DataLoader(data, batch_size=workload.batch, drop_last=True)
@@ -196,7 +213,9 @@ def fit_recipe(side: str, epochs: int, limit_batches: int | None = None) -> Batc
     precision = trainer_kwargs(RECIPE_WORKLOAD, gpu=torch.cuda.is_available())["precision"]
     timer = BatchTimer()
     limits = {} if limit_batches is None else {"limit_train_batches": limit_batches, "limit_val_batches": 0}
-    _trainer(strategy_for(side), timer, max_epochs=epochs, precision=precision, **limits).fit(module, datamodule)
+    _trainer(strategy_for(side), timer, max_epochs=epochs, precision=precision, **limits).fit(
+        module, datamodule
+    )
     return timer
 
 
@@ -231,18 +250,33 @@ def measure(workload: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
-                        help=f"comma-separated, from {', '.join(ALL_WORKLOADS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(ALL_WORKLOADS),
+        help=f"comma-separated, from {', '.join(ALL_WORKLOADS)}",
+    )
     parser.add_argument("--sides", default="eager,compiled", help=f"comma-separated, from {', '.join(SIDES)}")
-    parser.add_argument("--steps", type=int, default=25, help="steps per fit; the first --warmup are not timed")
+    parser.add_argument(
+        "--steps", type=int, default=25, help="steps per fit; the first --warmup are not timed"
+    )
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=3, help="digits-small: epochs per fit (the first is not timed)")
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="digits-small: epochs per fit (the first is not timed)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-compile-time", action="store_true",
-                        help="skip the first-step compile times in fresh processes (cold and warm cache)")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)")
+    parser.add_argument(
+        "--no-compile-time",
+        action="store_true",
+        help="skip the first-step compile times in fresh processes (cold and warm cache)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)",
+    )
     parser.add_argument("--first-step-only", metavar="WORKLOAD", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ[BACKEND_ENV] = args.compile_backend
@@ -257,15 +291,21 @@ def main() -> None:
 
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    unknown = [w for w in args.workloads if w not in ALL_WORKLOADS] + [s for s in args.sides if s not in SIDES]
+    unknown = [w for w in args.workloads if w not in ALL_WORKLOADS] + [
+        s for s in args.sides if s not in SIDES
+    ]
     if unknown:
-        parser.error(f"unknown workload(s)/side(s) {unknown}; workloads: {list(ALL_WORKLOADS)}, sides: {list(SIDES)}")
+        parser.error(
+            f"unknown workload(s)/side(s) {unknown}; workloads: {list(ALL_WORKLOADS)}, sides: {list(SIDES)}"
+        )
     if args.warmup >= args.steps:
         parser.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (the first epoch is not timed)")
 
-    print(f"machine: {machine_info()['device']}, {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
+    print(
+        f"machine: {machine_info()['device']}, {os.cpu_count()} cores, torch {torch.__version__}", flush=True
+    )
     stream = ResultStream("strategy_overhead")
     rows = []
     for workload in args.workloads:

@@ -11,8 +11,9 @@ import numpy as np
 from PIL import Image
 
 
-def synthetic_image_folder(splits: dict[str, int], classes: int, sizes: list[tuple[int, int]],
-                           root: str | None = None, seed: int = 0) -> str:
+def synthetic_image_folder(
+    splits: dict[str, int], classes: int, sizes: list[tuple[int, int]], root: str | None = None, seed: int = 0
+) -> str:
     """Write ``<root>/<split>/class<c>/<i>.png`` (``splits[split]`` images per class, sizes cycling through
     ``sizes``; each class has its own mean colour) and return ``root`` (a new temporary folder by default)."""
     if root is None:

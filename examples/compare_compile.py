@@ -2,7 +2,8 @@
 
     python examples/compare_compile.py                                  # digits-small, CPU ok
     python examples/compare_compile.py --recipe cifar10-airbench --data-root data/ --steps 100
-    python examples/compare_compile.py --smoke                          # tiny, backend "eager" (what the test runs)
+    python examples/compare_compile.py --smoke                          # tiny, backend "eager" (what the test
+    runs)
 
 Each mode trains ``--steps`` steps ``--repeats`` times (alternating eager, compiled, eager, ...), each time
 with a fresh module. Reported per mode: the median step time after ``--warmup`` steps (steady state), the
@@ -40,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class StepTimer:
-    """Lightning callback: wall time of every training step (batch start to batch end), device-synchronised."""
+    """Lightning callback: wall time of every training step (batch start to batch end),
+    device-synchronised."""
 
     def __init__(self) -> None:
         import lightning.pytorch as pl
@@ -85,21 +87,39 @@ def run_once(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     timer = StepTimer()
     gpu = torch.cuda.is_available()
     if compiled:  # compile="always": with "auto" a compiled side measured slower would switch to eager
-        strategy: Any = CompiledStrategy(**{**recipe.compile, "backend": args.backend, "compile": "always",
-                                            **({} if args.backend == "inductor" else {"mode": None})})
+        strategy: Any = CompiledStrategy(
+            **{
+                **recipe.compile,
+                "backend": args.backend,
+                "compile": "always",
+                **({} if args.backend == "inductor" else {"mode": None}),
+            }
+        )
     else:
         strategy = "auto"
     trainer = pl.Trainer(
-        strategy=strategy, precision=recipe.precision if gpu else "32-true", max_epochs=-1,
-        max_steps=args.steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer.callback],
+        strategy=strategy,
+        precision=recipe.precision if gpu else "32-true",
+        max_epochs=-1,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer.callback],
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule)
     total = time.perf_counter() - start
-    steady = timer.steps[args.warmup:] or timer.steps[-1:]
-    return {"steady_ms": 1000 * statistics.median(steady), "first_step_s": timer.steps[0], "total_s": total,
-            "steps": len(timer.steps)}
+    steady = timer.steps[args.warmup :] or timer.steps[-1:]
+    return {
+        "steady_ms": 1000 * statistics.median(steady),
+        "first_step_s": timer.steps[0],
+        "total_s": total,
+        "steps": len(timer.steps),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,18 +134,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.repeats):
         for mode in ("eager", "compiled"):
             runs[mode].append(run_once(args, compiled=mode == "compiled"))
-    summary = {mode: {k: statistics.median(r[k] for r in results) for k in results[0]}
-               for mode, results in runs.items()}
+    summary = {
+        mode: {k: statistics.median(r[k] for r in results) for k in results[0]}
+        for mode, results in runs.items()
+    }
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"{args.recipe} on {device}, {args.steps} steps x {args.repeats} runs per mode "
-          f"(backend {args.backend!r}, torch threads {torch.get_num_threads()}):")
+    print(
+        f"{args.recipe} on {device}, {args.steps} steps x {args.repeats} runs per mode "
+        f"(backend {args.backend!r}, torch threads {torch.get_num_threads()}):"
+    )
     for mode, s in summary.items():
-        print(f"  {mode:8s} steady step {s['steady_ms']:8.2f} ms   first step {s['first_step_s']:7.2f} s   "
-              f"whole run {s['total_s']:7.2f} s")
-    ratios = {"steady": summary["eager"]["steady_ms"] / summary["compiled"]["steady_ms"],
-              "whole_run": summary["eager"]["total_s"] / summary["compiled"]["total_s"]}
-    print(f"  eager / compiled: steady-state {ratios['steady']:.2f}x, whole run {ratios['whole_run']:.2f}x "
-          "(> 1: compiled is faster)")
+        print(
+            f"  {mode:8s} steady step {s['steady_ms']:8.2f} ms   first step {s['first_step_s']:7.2f} s   "
+            f"whole run {s['total_s']:7.2f} s"
+        )
+    ratios = {
+        "steady": summary["eager"]["steady_ms"] / summary["compiled"]["steady_ms"],
+        "whole_run": summary["eager"]["total_s"] / summary["compiled"]["total_s"],
+    }
+    print(
+        f"  eager / compiled: steady-state {ratios['steady']:.2f}x, whole run {ratios['whole_run']:.2f}x "
+        "(> 1: compiled is faster)"
+    )
     return {"summary": summary, "ratios": ratios, "runs": runs}
 
 

@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=None, help="training crop; default 176")
     p.add_argument("--eval-size", type=int, default=None, help="evaluation crop; default 224")
     p.add_argument("--storage-size", type=int, default=None, help="side of the stored copies; default 232")
-    p.add_argument("--smoke", action="store_true", help="one training step of a tiny model on synthetic images")
+    p.add_argument(
+        "--smoke", action="store_true", help="one training step of a tiny model on synthetic images"
+    )
     return p.parse_args(argv)
 
 
@@ -42,31 +44,47 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     base = get_recipe("imagefolder-resnet50")
     batch = args.batch_size or base.batch_size
     recipe = get_recipe(
-        "imagefolder-resnet50", epochs=args.epochs, batch_size=batch, model=args.model,
+        "imagefolder-resnet50",
+        epochs=args.epochs,
+        batch_size=batch,
+        model=args.model,
         optim={"lr": base.optim.lr * batch / base.batch_size},
-        data_kwargs={"image_size": args.image_size, "eval_image_size": args.eval_size,
-                     "storage_size": args.storage_size},
+        data_kwargs={
+            "image_size": args.image_size,
+            "eval_image_size": args.eval_size,
+            "storage_size": args.storage_size,
+        },
     )
     data: dict = {"root": args.root}
     model: dict = {}
-    trainer_args: dict = {"logger": TensorBoardLogger("runs", name=f"imagefolder-{recipe.model}"),
-                          "callbacks": default_callbacks()}
+    trainer_args: dict = {
+        "logger": TensorBoardLogger("runs", name=f"imagefolder-{recipe.model}"),
+        "callbacks": default_callbacks(),
+    }
     if args.smoke:
         from _smoke import synthetic_image_folder
 
         root = synthetic_image_folder({"train": 4, "val": 2}, 3, [(40, 48), (36, 36)])
         data = {"root": root, "image_size": 32, "storage_size": 40, "eval_image_size": 36, "batch_size": 6}
         model = {"model_kwargs": {"width": 4}} if recipe.model in ("resnet18", "resnet34", "resnet50") else {}
-        trainer_args = {"fast_dev_run": 1, "logger": False, "enable_progress_bar": False,
-                        "enable_model_summary": False}
+        trainer_args = {
+            "fast_dev_run": 1,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        }
     elif args.root is None:
-        raise SystemExit("train_imagefolder: give --root DIR (or .zip) with train/<class>/* and val/<class>/*")
+        raise SystemExit(
+            "train_imagefolder: give --root DIR (or .zip) with train/<class>/* and val/<class>/*"
+        )
     module, datamodule = build(recipe, data=data, model=model)
     trainer = build_trainer(recipe, **trainer_args)
     trainer.fit(module, datamodule)
     result = trainer.test(module, datamodule, verbose=False)[0]
-    print(f"{recipe.model} on {data['root']}: top-1 {100 * result['test/acc']:.2f}% after "
-          f"{trainer.current_epoch} epoch(s) ({trainer.global_step} steps)")
+    print(
+        f"{recipe.model} on {data['root']}: top-1 {100 * result['test/acc']:.2f}% after "
+        f"{trainer.current_epoch} epoch(s) ({trainer.global_step} steps)"
+    )
     return result
 
 

@@ -199,9 +199,7 @@ def norm_backward(ctx: Any, grad_y: torch.Tensor | None, backward_op: Any, *op_a
     return unpack_grads(packed, mask, weight, bias)
 
 
-def run_backward(
-    x: torch.Tensor, triton_impl: Any, reference_impl: Any, *args: Any
-) -> Grads:
+def run_backward(x: torch.Tensor, triton_impl: Any, reference_impl: Any, *args: Any) -> Grads:
     """A backward op's body: the gradients from Triton or the reference, packed for the op's return."""
     return pack_grads(run_triton_or_reference(x, triton_impl, reference_impl, *args), x)
 

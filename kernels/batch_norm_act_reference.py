@@ -55,8 +55,10 @@ def batch_norm_act_forward_reference(
     acc = accumulation_dtype(x.dtype)
     xf = x.to(acc)
     if not use_batch_stats:
+        assert running_mean is not None and running_var is not None  # the op's contract: eval has them
         mean, var = running_mean.to(acc), running_var.to(acc)
     elif batch_mean is not None:
+        assert batch_var is not None  # the op's contract: given together
         mean, var = batch_mean.to(acc), batch_var.to(acc)
     else:
         var, mean = torch.var_mean(xf, dim=(0, 2, 3), unbiased=False)

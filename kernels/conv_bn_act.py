@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -127,8 +127,8 @@ def allowed_config(
     """May ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` run this launch? The first three rules keep
     what was measured spill-free (see ``GPU_CONFIGS``); the last two drop blocks far larger than the
     problem."""
-    block_m, block_n, block_k, _, _ = config
-    kind = _CONFIG_KIND.get(tuple(config), "any")
+    block_m, block_n, block_k, num_stages, num_warps = config
+    kind = _CONFIG_KIND.get((block_m, block_n, block_k, num_stages, num_warps), "any")
     if kind == "1x1" and (R, S) != (1, 1):
         return False
     if (kind == "narrow") != (Y_ALIGN < 4):
@@ -653,6 +653,7 @@ def _conv_bn_act_op(
     y = in_layout_of(y, _empty_output(x, n, k, p, q))
     if not stats:
         return (y, *_empty_stats(x, k, False))
+    assert mean is not None and var is not None  # the reference returns them with stats=True
     return y, mean.float(), var.float()
 
 
@@ -746,12 +747,16 @@ def _backward(ctx: Any, grad_y: torch.Tensor | None, _grad_mean: Any, _grad_var:
     if ctx.activation == "relu":  # relu' follows from the output: no recompute for eval-mode-BN blocks
         grad_u = grad_u * (y > 0)
     elif ctx.activation != "none":
+        assert z is not None  # needs_z holds for gelu and silu
         grad_u = grad_u * activation_grad(
             epilogue_reference(z, scale, shift, residual, "none"), ctx.activation
         )
     grad_residual = grad_u.to(ctx.residual_dtype) if residual is not None and need[5] else None
     grad_shift = _channel_sum(grad_u).to(shift.dtype) if shift is not None and need[4] else None
-    grad_scale = _channel_sum(grad_u * z).to(scale.dtype) if scale is not None and need[3] else None
+    grad_scale = None
+    if scale is not None and need[3]:
+        assert z is not None  # needs_z holds when the scale needs a gradient
+        grad_scale = _channel_sum(grad_u * z).to(scale.dtype)
     grad_z = grad_u * scale.to(acc).view(1, -1, 1, 1) if scale is not None else grad_u
     grad_bias = _channel_sum(grad_z).to(bias.dtype) if bias is not None and need[2] else None
     grad_x = grad_w = None
@@ -829,6 +834,60 @@ def _autocast_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
     return x, weight
 
 
+@overload
+def conv_bn_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str = "none",
+    stats: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def conv_bn_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str = "none",
+    stats: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def conv_bn_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str = "none",
+    stats: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 def conv_bn_act(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -879,6 +938,7 @@ def conv_bn_act(
             stats=stats,
         )
         if stats:
+            assert mean is not None and var is not None  # the reference returns them with stats=True
             return y, mean.detach().float(), var.detach().float()
         return y
     y, mean, var = _conv_bn_act_op(
@@ -956,24 +1016,42 @@ def conv_bn_act_forward(
     if reason is not None:
         raise ValueError(f"conv_bn_act cannot fuse these modules: {reason}")
     x = x.contiguous(memory_format=torch.channels_last)
-    conv_args = {
-        "stride": tuple(conv.stride),
-        "padding": conv_padding(conv),
-        "dilation": tuple(conv.dilation),
-        "groups": conv.groups,
-    }
+    padding = conv_padding(conv)
+    assert padding is not None  # _cannot_express rejects the asymmetric padding that has none
+    stride, dilation, groups = tuple(conv.stride), tuple(conv.dilation), conv.groups
     if bn is not None and (bn.training or (bn.running_mean is None and bn.running_var is None)):
-        z, mean, var = conv_bn_act(x, conv.weight, conv.bias, stats=True, **conv_args)
+        z, mean, var = conv_bn_act(
+            x,
+            conv.weight,
+            conv.bias,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            stats=True,
+        )
         return batch_norm_act_forward(bn, z, activation, residual, batch_mean=mean, batch_var=var)
     scale = shift = None
     if bn is not None:
+        # Eval with running statistics: BatchNorm2d keeps both or neither, and neither returned above.
+        assert bn.running_mean is not None and bn.running_var is not None
         scale, shift = batch_norm_scale_shift(bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
     def run(act: str, res: torch.Tensor | None) -> torch.Tensor:
         return conv_bn_act(
-            x, conv.weight, conv.bias, scale=scale, shift=shift, residual=res, activation=act, **conv_args
+            x,
+            conv.weight,
+            conv.bias,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            scale=scale,
+            shift=shift,
+            residual=res,
+            activation=act,
         )
 
     return fuse_residual(run, out_dtype, activation, residual)
@@ -1017,7 +1095,7 @@ class FusedConvBNAct(nn.Module):
     ) -> str | None:
         """None if ``from_modules(conv, bn, act)`` would succeed, else the reason it would raise."""
         try:
-            cls.from_modules(conv, bn, act)  # type: ignore[arg-type]
+            cls.from_modules(conv, bn, act)  # type: ignore[arg-type]  # any modules: from_modules checks them
         except (TypeError, ValueError) as err:
             return str(err)
         return None

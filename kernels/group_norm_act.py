@@ -144,9 +144,28 @@ def _gn_fwd_kernel(
 
 @triton.jit
 def _epilogue_grad_tile(
-    x_ptr, g_ptr, res_ptr, n, hws, cols, mask, mean, rstd, w, bias,
-    sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c,
-    HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    x_ptr,
+    g_ptr,
+    res_ptr,
+    n,
+    hws,
+    cols,
+    mask,
+    mean,
+    rstd,
+    w,
+    bias,
+    sx_n,
+    sx_hw,
+    sx_c,
+    sg_n,
+    sg_hw,
+    sg_c,
+    sr_n,
+    sr_hw,
+    sr_c,
+    HAS_RESIDUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
     """One ``[BLOCK_HW, BLOCK_C]`` tile of sample ``n``: ``(g_u, x̂)``, the gradient at the epilogue's input
     and the normalised input. Both backward passes recompute it (cheaper than storing ``g_u``)."""
@@ -224,8 +243,28 @@ def _gn_bwd_kernel(
             hws = hw0 + tl.arange(0, BLOCK_HW).to(tl.int64)
             mask = (hws < HW)[:, None] & mask_c[None, :]
             g, xhat = _epilogue_grad_tile(
-                x_ptr, g_ptr, res_ptr, n, hws, cols, mask, mean, rstd, w, bias,
-                sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c, HAS_RESIDUAL, ACTIVATION,
+                x_ptr,
+                g_ptr,
+                res_ptr,
+                n,
+                hws,
+                cols,
+                mask,
+                mean,
+                rstd,
+                w,
+                bias,
+                sx_n,
+                sx_hw,
+                sx_c,
+                sg_n,
+                sg_hw,
+                sg_c,
+                sr_n,
+                sr_hw,
+                sr_c,
+                HAS_RESIDUAL,
+                ACTIVATION,
             )
             g = tl.where(mask, g, 0.0)
             acc_g += g
@@ -249,8 +288,28 @@ def _gn_bwd_kernel(
                 hws = hw0 + tl.arange(0, BLOCK_HW).to(tl.int64)
                 mask = (hws < HW)[:, None] & mask_c[None, :]
                 g, xhat = _epilogue_grad_tile(
-                    x_ptr, g_ptr, res_ptr, n, hws, cols, mask, mean, rstd, w, bias,
-                    sx_n, sx_hw, sx_c, sg_n, sg_hw, sg_c, sr_n, sr_hw, sr_c, HAS_RESIDUAL, ACTIVATION,
+                    x_ptr,
+                    g_ptr,
+                    res_ptr,
+                    n,
+                    hws,
+                    cols,
+                    mask,
+                    mean,
+                    rstd,
+                    w,
+                    bias,
+                    sx_n,
+                    sx_hw,
+                    sx_c,
+                    sg_n,
+                    sg_hw,
+                    sg_c,
+                    sr_n,
+                    sr_hw,
+                    sr_c,
+                    HAS_RESIDUAL,
+                    ACTIVATION,
                 )
                 d_offs = n * sd_n + (hws * sd_hw)[:, None] + (cols * sd_c)[None, :]
                 if WRITE_DRES:

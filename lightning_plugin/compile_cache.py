@@ -85,8 +85,9 @@ def load_compile_cache(path: str | os.PathLike[str], device: torch.device) -> bo
     try:
         header, parts = _read(path)
     except (OSError, ValueError) as err:
-        warnings.warn(f"compile cache {path} is unreadable ({err}); not loaded, compiling from scratch",
-                      stacklevel=2)
+        warnings.warn(
+            f"compile cache {path} is unreadable ({err}); not loaded, compiling from scratch", stacklevel=2
+        )
         return False
     made_in, here = header.get("environment", {}), environment(device)
     differs = [f"{k} {made_in.get(k)!s} here {here[k]!s}" for k in here if made_in.get(k) != here[k]]

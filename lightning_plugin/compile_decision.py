@@ -75,12 +75,16 @@ class CompileDecision:
         )
         if self.source == "cached":
             if self.choice == "eager":
-                return (f"compile='auto': an earlier run on this machine measured {measured}; training eagerly "
-                        f"without compiling (compile='always' compiles anyway)")
+                return (
+                    f"compile='auto': an earlier run on this machine measured {measured}; training eagerly "
+                    f"without compiling (compile='always' compiles anyway)"
+                )
             return f"compile='auto': compiling; an earlier run on this machine measured {measured}"
         if self.choice == "eager":
-            return (f"compile='auto': {measured}, below {MIN_SPEEDUP}x; training eagerly from here "
-                    "(compile='always' keeps compiling)")
+            return (
+                f"compile='auto': {measured}, below {MIN_SPEEDUP}x; training eagerly from here "
+                "(compile='always' keeps compiling)"
+            )
         return f"compile='auto': {measured}; keeps compiling"
 
 
@@ -131,7 +135,9 @@ class CompileDecider:
         elif self.mode == "always":
             self._apply(CompileDecision("compiled", "always"))
         elif self.decision is not None:
-            self._apply(self.decision)  # an earlier fit of this strategy decided; checked again at its first batch
+            self._apply(
+                self.decision
+            )  # an earlier fit of this strategy decided; checked again at its first batch
         else:
             self._run(eager_train=False, eager_eval=fitting)  # evaluation compiles once compiling is decided
 
@@ -219,16 +225,22 @@ class CompileDecider:
         eager_s, compiled_s = statistics.median(eager), statistics.median(compiled)
         speedup = eager_s / compiled_s if compiled_s > 0 else float("inf")
         return CompileDecision(
-            "compiled" if speedup >= MIN_SPEEDUP else "eager", "measured", speedup,
-            compiled_s * 1e3, eager_s * 1e3, min(len(eager), len(compiled)),
+            "compiled" if speedup >= MIN_SPEEDUP else "eager",
+            "measured",
+            speedup,
+            compiled_s * 1e3,
+            eager_s * 1e3,
+            min(len(eager), len(compiled)),
         )
 
     def _give_up(self) -> None:
         self._measuring = False
         self.compiler.eager_train = False
         self.compiler.eager_eval = not self.compiler.config.compile_eval
-        reason = (f"compile='auto': no clean measurement in {MAX_MEASURED_STEPS} steps (compiles kept "
-                  "interrupting them); compiling, not cached")
+        reason = (
+            f"compile='auto': no clean measurement in {MAX_MEASURED_STEPS} steps (compiles kept "
+            "interrupting them); compiling, not cached"
+        )
         self.compiler.stats.decision_reason = reason
         rank_zero_info(reason)
 
@@ -251,10 +263,17 @@ class CompileDecider:
         eager = decision.choice == "eager"
         self._run(eager_train=eager, eager_eval=eager)
         stats = self.compiler.stats
-        stats.decision, stats.speedup, stats.decision_reason = decision.choice, decision.speedup, decision.describe()
+        stats.decision, stats.speedup, stats.decision_reason = (
+            decision.choice,
+            decision.speedup,
+            decision.describe(),
+        )
 
     def _look_up(self, module: nn.Module, batch: Any) -> None:
-        key = (decision_fingerprint(self._device), model_signature(module, batch, self._precision, self.compiler))
+        key = (
+            decision_fingerprint(self._device),
+            model_signature(module, batch, self._precision, self.compiler),
+        )
         if self.decision is not None and key == self.key:
             return  # decided by an earlier fit of this strategy
         self.key, self.decision = key, None
@@ -283,32 +302,54 @@ def _cache() -> DecisionCache:
 
 
 def _from_entry(entry: dict[str, Any] | None) -> CompileDecision | None:
-    if not entry or entry.get("format") != DECISION_FORMAT or entry.get("choice") not in ("compiled", "eager"):
+    if (
+        not entry
+        or entry.get("format") != DECISION_FORMAT
+        or entry.get("choice") not in ("compiled", "eager")
+    ):
         return None
     try:
         return CompileDecision(
-            entry["choice"], "cached", float(entry["speedup"]), float(entry["compiled_ms"]),
-            float(entry["eager_ms"]), int(entry["steps"]),
+            entry["choice"],
+            "cached",
+            float(entry["speedup"]),
+            float(entry["compiled_ms"]),
+            float(entry["eager_ms"]),
+            int(entry["steps"]),
         )
     except (KeyError, TypeError, ValueError):
         return None
 
 
 def decision_fingerprint(device: torch.device) -> str:
-    """Where a measurement holds: the device and compiler stack, the CPU's instruction set, the thread count."""
-    return (f"{machine_fingerprint(device)}|{torch.backends.cpu.get_cpu_capability()}|"
-            f"{torch.get_num_threads()} threads")
+    """Where a measurement holds: the device and compiler stack, the CPU's instruction set, the thread
+    count."""
+    return (
+        f"{machine_fingerprint(device)}|{torch.backends.cpu.get_cpu_capability()}|"
+        f"{torch.get_num_threads()} threads"
+    )
 
 
 def model_signature(module: nn.Module, batch: Any, precision: str, compiler: ModuleCompiler) -> str:
     """What the measured ratio depends on besides the machine: the model's structure, parameter shapes and
-    dtypes, the training batch's shapes, the precision and the compile settings (a readable prefix + a hash)."""
+    dtypes, the training batch's shapes, the precision and the compile settings (a readable prefix + a
+    hash)."""
     config = compiler.config
-    backend = config.backend if isinstance(config.backend, str) else getattr(
-        config.backend, "__qualname__", type(config.backend).__qualname__)
-    parts = [f"precision={precision}", f"backend={backend}", f"mode={config.mode}", f"options={config.options}",
-             f"dynamic={config.dynamic}", f"regional={config.regional}", f"channels_last={config.channels_last}",
-             f"kernels={sorted(config.kernels) if not isinstance(config.kernels, str) else config.kernels}"]
+    backend = (
+        config.backend
+        if isinstance(config.backend, str)
+        else getattr(config.backend, "__qualname__", type(config.backend).__qualname__)
+    )
+    parts = [
+        f"precision={precision}",
+        f"backend={backend}",
+        f"mode={config.mode}",
+        f"options={config.options}",
+        f"dynamic={config.dynamic}",
+        f"regional={config.regional}",
+        f"channels_last={config.channels_last}",
+        f"kernels={sorted(config.kernels) if not isinstance(config.kernels, str) else config.kernels}",
+    ]
     parts += [f"{name}:{type(m).__module__}.{type(m).__qualname__}" for name, m in module.named_modules()]
     parts += [f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for name, p in module.named_parameters()]
     parts += [f"{name}:{tuple(b.shape)}:{b.dtype}" for name, b in module.named_buffers()]

@@ -7,7 +7,7 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -72,13 +72,22 @@ def with_compile_settings(forwards_other_kwargs: bool = False) -> Callable[[_Ini
         split = next((i for i, p in enumerate(plain) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(plain))
         tail = var_keyword if forwards_other_kwargs else []
         parameters = [*plain[:split], *settings, *plain[split:], *tail]
+        # inspect.signature reads this attribute; mypy's Callable type does not declare it.
         init.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         return init
 
     return decorate
 
 
-class CompiledStrategyMixin:
+if TYPE_CHECKING:  # the methods below use and override Strategy's; at runtime the concrete class supplies it
+    from lightning.pytorch.strategies import Strategy
+
+    _StrategyBase = Strategy
+else:
+    _StrategyBase = object
+
+
+class CompiledStrategyMixin(_StrategyBase):
     """Compiles the LightningModule's forward in place; exposes what the compiler did."""
 
     _compiler: ModuleCompiler
@@ -120,14 +129,14 @@ class CompiledStrategyMixin:
         return list(report.replacements) if report is not None else []
 
     def _compile_lightning_module(self) -> None:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         if module is None:
             return
         if self._compiler.config.compile == "never":
             self._begin_decision(module)
             return
         self._load_compile_cache(module)
-        if self._compiler.compile(module, self.root_device):  # type: ignore[attr-defined]
+        if self._compiler.compile(module, self.root_device):
             self._begin_decision(module)
             config = self._compiler.config
             what = "repeated blocks" if config.regional else "forward"
@@ -149,20 +158,20 @@ class CompiledStrategyMixin:
     def _begin_decision(self, module: Any) -> None:
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == "fit"
-        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        plugin = self.precision_plugin
         precision = getattr(plugin, "precision", type(plugin).__name__)
         self._decider.begin(
-            self.root_device,  # type: ignore[attr-defined]
+            self.root_device,
             str(precision),
             fitting,
-            broadcast=self.broadcast,  # type: ignore[attr-defined]
-            is_global_zero=self.is_global_zero,  # type: ignore[attr-defined]
+            broadcast=self.broadcast,
+            is_global_zero=self.is_global_zero,
         )
 
     def _restore_lightning_module(self) -> None:
         self._decider.end()
         self._save_compile_cache(at_end=True)
-        self._compiler.restore(self.lightning_module)  # type: ignore[attr-defined]
+        self._compiler.restore(self.lightning_module)
 
     def _load_compile_cache(self, module: torch.nn.Module) -> None:
         """Before compiling: load the run's compile cache, if there is one (``CompileConfig.cache``)."""
@@ -172,7 +181,7 @@ class CompiledStrategyMixin:
             return
         candidates, self._cache_file = cache_locations(self._compiler.config.cache, trainer)
         found = next((path for path in candidates if path.is_file()), None)
-        if found is not None and load_compile_cache(found, self.root_device):  # type: ignore[attr-defined]
+        if found is not None and load_compile_cache(found, self.root_device):
             rank_zero_info(f"{type(self).__name__}: loaded the compile cache {found}")
 
     def _save_compile_cache(self, at_end: bool = False) -> None:
@@ -183,47 +192,50 @@ class CompiledStrategyMixin:
             return
         if compiled == self._frames_at_cache_save and not (at_end and not self._cache_file.exists()):
             return
-        device = self.root_device  # type: ignore[attr-defined]
-        if self.is_global_zero and save_compile_cache(self._cache_file, device):  # type: ignore[attr-defined]
+        device = self.root_device
+        if self.is_global_zero and save_compile_cache(self._cache_file, device):
             rank_zero_info(f"{type(self).__name__}: saved the compile cache {self._cache_file}")
         self._frames_at_cache_save = compiled
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return strip_compile_prefix(super().lightning_module_state_dict())  # type: ignore[misc]
+        return strip_compile_prefix(super().lightning_module_state_dict())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
+        assert module is not None  # connected before a checkpoint is restored (as Strategy asserts)
         aligned = dict(checkpoint)
         aligned["state_dict"] = align_to_module(checkpoint["state_dict"], module)
-        super().load_model_state_dict(aligned, strict=strict)  # type: ignore[misc]
+        super().load_model_state_dict(aligned, strict=strict)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        module = self.lightning_module  # type: ignore[attr-defined]
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        assert module is not None  # a training batch runs with the module connected
         self._decider.before_batch(module, batch, module.trainer.accumulate_grad_batches)
         self._save_compile_cache()  # the previous step compiled: keep it even if the run dies later
         if self._compiler.config.mode == "reduce-overhead" and self._compiler.is_compiled:
             # CUDA graphs reuse output buffers: mark the step so last step's outputs are not overwritten.
             torch.compiler.cudagraph_mark_step_begin()
 
-    # The three parts of a training step; compile="auto" times a step from its batch's start to the last of them.
+    # The three parts of a training step; compile="auto" times a step from its batch's start to the last of
+    # them.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        output = super().training_step(*args, **kwargs)
         self._decider.after_work()
         return output
 
     @override
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().backward(*args, **kwargs)  # type: ignore[misc]
+        output = super().backward(*args, **kwargs)
         self._decider.after_work()
         return output
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(*args, **kwargs)
         self._decider.after_work()
         return output

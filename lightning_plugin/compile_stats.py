@@ -111,7 +111,8 @@ class CompileStats:
     @property
     def cache_hits_and_misses(self) -> tuple[int, int]:
         """(graphs loaded from the on-disk compile caches, graphs compiled) since :meth:`start`: AOTAutograd's
-        cache where it was consulted, else Inductor's FX graph cache. Counted process-wide (dynamo's counters)."""
+        cache where it was consulted, else Inductor's FX graph cache. Counted process-wide (dynamo's
+        counters)."""
         now, before = _cache_counts(), self._cache_counts_at_start
         diff = {k: v - before.get(k, 0) for k, v in now.items()}
         if diff["autograd_cache_hit"] or diff["autograd_cache_miss"]:
@@ -160,7 +161,11 @@ class CompileStats:
 
     @property
     def recompile_reasons(self) -> list[str]:
-        return [f"{r.code_name or 'frame'}: {r.recompile_reason}" for r in self.frame_records if r.recompile_reason]
+        return [
+            f"{r.code_name or 'frame'}: {r.recompile_reason}"
+            for r in self.frame_records
+            if r.recompile_reason
+        ]
 
     @property
     def skipped_frames(self) -> list[str]:
@@ -287,8 +292,14 @@ def _break_reason(gm: torch.fx.GraphModule) -> str | None:
     return f"{_describe(reason.reason)}{where}"
 
 
-def make_backend(backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None,
-                 dynamic: bool | None, stats: CompileStats, device: torch.device | None = None) -> CountingBackend:
+def make_backend(
+    backend: str | Callable[..., Any],
+    mode: str | None,
+    options: dict[str, Any] | None,
+    dynamic: bool | None,
+    stats: CompileStats,
+    device: torch.device | None = None,
+) -> CountingBackend:
     """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting.
 
     Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`.

@@ -119,7 +119,12 @@ class ModuleCompiler:
             )
         self._use_eager = False
         self._backend = make_backend(
-            self.config.backend, self.config.mode, self.config.options, self.config.dynamic, self.stats, device
+            self.config.backend,
+            self.config.mode,
+            self.config.options,
+            self.config.dynamic,
+            self.stats,
+            device,
         )
         targets = find_repeated_blocks(module) if self.config.regional else []
         if self.config.regional and not targets:
@@ -129,7 +134,9 @@ class ModuleCompiler:
                 stacklevel=2,
             )
         self._targets = targets or [module]
-        codes = {dynamo_cache.code_of(target.forward) for target in self._targets}  # repeated blocks share one
+        codes = {
+            dynamo_cache.code_of(target.forward) for target in self._targets
+        }  # repeated blocks share one
         self.stats.start(reused_frames=sum(dynamo_cache.prepare(code, self._backend) for code in codes))
         self._patch_targets(module)
         return True
@@ -162,7 +169,8 @@ class ModuleCompiler:
     @contextlib.contextmanager
     def _uncompiled(self, root: nn.Module) -> Iterator[None]:
         """The module's own forwards while ``kernels="auto"`` measures and undoes rewrites (its copies and
-        undos must not meet our wrappers), then fresh wrappers over the forwards it left. Nothing was traced."""
+        undos must not meet our wrappers), then fresh wrappers over the forwards it left. Nothing was
+        traced."""
         self._unpatch_targets()
         try:
             yield
@@ -178,7 +186,11 @@ class ModuleCompiler:
         self._patched.append(_PatchedForward(target, previous))
 
     def _guarded(
-        self, target: nn.Module, eager: Callable[..., Any], compiled: Callable[..., Any], to_channels_last: bool
+        self,
+        target: nn.Module,
+        eager: Callable[..., Any],
+        compiled: Callable[..., Any],
+        to_channels_last: bool,
     ) -> Callable[..., Any]:
         config, stats = self.config, self.stats
 
@@ -225,11 +237,11 @@ class ModuleCompiler:
             return output
 
         code = dynamo_cache.code_of(eager)
-        forward.__lcv_compiled__ = True  # type: ignore[attr-defined]
+        forward.__lcv_compiled__ = True  # type: ignore[attr-defined]  # a marker on the function object
         return forward
 
 
-def _report_skipped(target: nn.Module, skipped: list[FrameRecord], fallback: str) -> None:
+def _report_skipped(target: nn.Module, skipped: list[FrameRecord], fallback: str | None) -> None:
     """Dynamo ran some of the compiled code eagerly: warn (or raise, with ``fallback="raise"``)."""
     message = (
         f"torch.compile gave up on {len(skipped)} frame(s) of {type(target).__name__}.forward and ran them "
@@ -271,7 +283,10 @@ def already_compiled_reason(module: nn.Module) -> str | None:
         if getattr(sub, "_compiled_call_impl", None) is not None:
             return f"submodule {name or type(module).__name__!r} was compiled with nn.Module.compile()"
         if getattr(sub.__dict__.get("forward"), "__lcv_compiled__", False):
-            return f"submodule {name or type(module).__name__!r} is already compiled by another compiled strategy"
+            return (
+                f"submodule {name or type(module).__name__!r} is already compiled by another compiled "
+                "strategy"
+            )
     return None
 
 

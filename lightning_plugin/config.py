@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 
@@ -30,11 +30,17 @@ RENAMED_KERNELS: dict[str, str] = {
 #: Values of ``CompileConfig.kernels`` that stand for a set of substitutions.
 KERNEL_ALIASES: tuple[str, ...] = ("auto", "all", "none")
 
-_MODES: tuple[str | None, ...] = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_MODES: tuple[str | None, ...] = (
+    None,
+    "default",
+    "reduce-overhead",
+    "max-autotune",
+    "max-autotune-no-cudagraphs",
+)
 _FALLBACKS: tuple[str, ...] = ("eager", "raise")
 _COMPILE: tuple[str, ...] = ("auto", "always", "never")
 
-KernelsSpec = Union[str, Iterable[str]]
+KernelsSpec = str | Iterable[str]
 
 
 @dataclass
@@ -91,7 +97,9 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.backend, str) and self.backend) and not callable(self.backend):
-            raise ValueError(f"CompileConfig.backend must be a backend name or a callable, got {self.backend!r}")
+            raise ValueError(
+                f"CompileConfig.backend must be a backend name or a callable, got {self.backend!r}"
+            )
         if isinstance(self.backend, str):
             known = set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"}
             if self.backend not in known:
@@ -104,7 +112,9 @@ class CompileConfig:
         if self.mode not in _MODES:
             raise ValueError(f"CompileConfig.mode={self.mode!r} is not one of {list(_MODES)}")
         if self.mode not in (None, "default") and self.backend != "inductor":
-            raise ValueError(f"CompileConfig.mode={self.mode!r} needs backend='inductor', got {self.backend!r}")
+            raise ValueError(
+                f"CompileConfig.mode={self.mode!r} needs backend='inductor', got {self.backend!r}"
+            )
         for name in ("fullgraph", "channels_last", "compile_eval", "regional"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -114,7 +124,9 @@ class CompileConfig:
             if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
                 raise TypeError(f"CompileConfig.options must be a dict with str keys, got {self.options!r}")
             if self.mode not in (None, "default"):
-                raise ValueError("CompileConfig: set either `mode` or `options`, not both (torch.compile rule)")
+                raise ValueError(
+                    "CompileConfig: set either `mode` or `options`, not both (torch.compile rule)"
+                )
         if not isinstance(self.cache, (bool, str, os.PathLike)) or self.cache == "":
             raise TypeError(f"CompileConfig.cache must be True, False or a file path, got {self.cache!r}")
         if self.fallback is None:
@@ -156,7 +168,9 @@ def _parse_kernels(spec: KernelsSpec) -> frozenset[str] | None:
         try:
             names = list(spec)
         except TypeError:
-            raise TypeError(f"CompileConfig.kernels must be a string or a list of strings, got {spec!r}") from None
+            raise TypeError(
+                f"CompileConfig.kernels must be a string or a list of strings, got {spec!r}"
+            ) from None
     renamed = [n for n in names if isinstance(n, str) and n in RENAMED_KERNELS]
     if renamed:
         raise ValueError(

@@ -31,8 +31,12 @@ import torch
 CPU_TRAINING_OPTIONS: dict[str, Any] = {"layout_optimization": False}
 
 
-def training_options(backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None,
-                     device: torch.device | None) -> dict[str, Any] | None:
+def training_options(
+    backend: str | Callable[..., Any],
+    mode: str | None,
+    options: dict[str, Any] | None,
+    device: torch.device | None,
+) -> dict[str, Any] | None:
     """:data:`CPU_TRAINING_OPTIONS` when the strategy compiles for a CPU with plain Inductor, else ``None``.
 
     Plain means no user ``mode`` and no ``options``: those are the user's choice and win.

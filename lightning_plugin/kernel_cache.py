@@ -1,4 +1,5 @@
-"""Measured decisions on disk (kernel selection, compile or eager), so a second run or a resume does not measure again.
+"""Measured decisions on disk (kernel selection, compile or eager), so a second run or a resume does not
+measure again.
 
 One JSON file of entries keyed by *where* a measurement holds (GPU name, torch and Triton versions) and by the
 block signature. A new GPU or a version change misses the cache, because either changes both sides of the

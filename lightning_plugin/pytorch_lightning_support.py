@@ -21,6 +21,7 @@ __all__ = ["CompiledDDPStrategy", "CompiledStrategy"]
 # The `type: ignore[misc]` below: mypy checks the mixins against `lightning.pytorch`'s bases, whose members
 # it finds incompatible with the same-named ones of `pytorch_lightning` (the same code in another package).
 
+
 class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):  # type: ignore[misc]
     """``lightning_plugin.CompiledStrategy`` for ``pytorch_lightning.Trainer``."""
 

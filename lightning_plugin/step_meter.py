@@ -43,12 +43,20 @@ class StepTotals:
         return self.step_s / self.steps if self.steps else None
 
     def __add__(self, other: StepTotals) -> StepTotals:
-        return StepTotals(self.steps + other.steps, self.samples + other.samples, self.step_s + other.step_s,
-                          self.wait_s + other.wait_s)
+        return StepTotals(
+            self.steps + other.steps,
+            self.samples + other.samples,
+            self.step_s + other.step_s,
+            self.wait_s + other.wait_s,
+        )
 
     def __sub__(self, other: StepTotals) -> StepTotals:
-        return StepTotals(self.steps - other.steps, self.samples - other.samples, self.step_s - other.step_s,
-                          self.wait_s - other.wait_s)
+        return StepTotals(
+            self.steps - other.steps,
+            self.samples - other.samples,
+            self.step_s - other.step_s,
+            self.wait_s - other.wait_s,
+        )
 
 
 class StepMeter:
@@ -85,8 +93,9 @@ class StepMeter:
     def step_started(self) -> None:
         now = self._now()
         if self._mark is not None and not self._in_step:
-            self._span = StepTotals(self._span.steps, self._span.samples, self._span.step_s,
-                                    self._span.wait_s + now - self._mark)
+            self._span = StepTotals(
+                self._span.steps, self._span.samples, self._span.step_s, self._span.wait_s + now - self._mark
+            )
         self._mark, self._in_step = now, True
 
     def step_ended(self, samples: int) -> None:

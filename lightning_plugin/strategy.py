@@ -91,10 +91,15 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin, _SingleDeviceStrategyBase
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="Single device, LightningModule.forward compiled with torch.compile"
+            cls.strategy_name,
+            cls,
+            description="Single device, LightningModule.forward compiled with torch.compile",
         )
         strategy_registry.register(
-            "compiled_max_autotune", cls, description="'compiled' with mode='max-autotune'", mode="max-autotune"
+            "compiled_max_autotune",
+            cls,
+            description="'compiled' with mode='max-autotune'",
+            mode="max-autotune",
         )
         strategy_registry.register(
             "compiled_reduce_overhead",
@@ -103,7 +108,10 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin, _SingleDeviceStrategyBase
             mode="reduce-overhead",
         )
         strategy_registry.register(
-            "compiled_regional", cls, description="'compiled', each repeated block compiled once", regional=True
+            "compiled_regional",
+            cls,
+            description="'compiled', each repeated block compiled once",
+            regional=True,
         )
 
 

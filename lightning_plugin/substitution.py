@@ -54,6 +54,7 @@ __all__ = [
     "undo_substitutions",
 ]
 
+
 class _Missing(enum.Enum):
     """The type of ``_MISSING``, an enum so that ``x is not _MISSING`` narrows ``x``'s type."""
 

@@ -11,14 +11,15 @@ import logging
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run in the interpreter (numpy). The kernels choose their launch configs when
-# they are defined, so this must happen before anything imports them. On a GPU they run compiled, as users run them.
+# Without a GPU the Triton kernels run in the interpreter (numpy). The kernels choose their launch configs
+# when they are defined, so this must happen before anything imports them. On a GPU they run compiled, as
+# users run them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
-    # fp32 results are compared with float64 at fp32 tolerances: TF32 products (10-bit mantissas) would not meet
-    # them, in PyTorch's reference convolutions or in our kernels (which follow the same flag). Tests of TF32 turn
-    # it back on themselves.
+    # fp32 results are compared with float64 at fp32 tolerances: TF32 products (10-bit mantissas) would not
+    # meet them, in PyTorch's reference convolutions or in our kernels (which follow the same flag). Tests of
+    # TF32 turn it back on themselves.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
@@ -27,7 +28,9 @@ import lightning_plugin  # noqa: F401  (registers the strategies)
 # torch's structured trace log is DEBUG-level; letting pytest capture it slows every compile.
 logging.getLogger("torch.__trace").propagate = False
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +42,8 @@ def _seed_and_reset_dynamo():
 
 @pytest.fixture(autouse=True)
 def _private_decision_cache(tmp_path_factory, monkeypatch):
-    """Each test gets an empty kernel/compile decision cache: a decision one test measured (under whatever load)
-    must not make another test train eagerly, nor may tests read or write the user's ``~/.cache``."""
+    """Each test gets an empty kernel/compile decision cache: a decision one test measured (under whatever
+    load) must not make another test train eagerly, nor may tests read or write the user's ``~/.cache``."""
     monkeypatch.setenv("LCV_KERNEL_CACHE_DIR", str(tmp_path_factory.mktemp("lcv_decisions")))
 
 

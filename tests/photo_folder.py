@@ -41,7 +41,7 @@ def _crop(photo: np.ndarray, index: int, height: int, width: int) -> np.ndarray:
     """A ``height`` x ``width`` crop at a position that moves with ``index`` (different content per file)."""
     top = (37 * index) % (photo.shape[0] - height)
     left = (91 * index) % (photo.shape[1] - width)
-    return np.ascontiguousarray(photo[top: top + height, left: left + width])
+    return np.ascontiguousarray(photo[top : top + height, left : left + width])
 
 
 def encode(pixels: np.ndarray, kind: str) -> bytes:
@@ -55,7 +55,10 @@ def encode(pixels: np.ndarray, kind: str) -> bytes:
     elif kind == "png16":  # PIL cannot write 16-bit RGB; OpenCV (an albumentations dependency) can
         import cv2
 
-        wide = pixels.astype(np.uint16) * 257 + np.arange(pixels.size, dtype=np.uint16).reshape(pixels.shape) % 251
+        wide = (
+            pixels.astype(np.uint16) * 257
+            + np.arange(pixels.size, dtype=np.uint16).reshape(pixels.shape) % 251
+        )
         ok, encoded = cv2.imencode(".png", np.ascontiguousarray(wide[..., ::-1]))
         assert ok
         return encoded.tobytes()
@@ -63,7 +66,9 @@ def encode(pixels: np.ndarray, kind: str) -> bytes:
         gray = np.asarray(image.convert("L"), dtype=np.uint16) * 257
         Image.fromarray(gray).save(out, format="PNG")  # mode I;16
     elif kind == "rgba":
-        rgba = np.dstack([pixels, np.linspace(0, 255, pixels.shape[1], dtype=np.uint8)[None].repeat(pixels.shape[0], 0)])
+        rgba = np.dstack(
+            [pixels, np.linspace(0, 255, pixels.shape[1], dtype=np.uint8)[None].repeat(pixels.shape[0], 0)]
+        )
         Image.fromarray(rgba).save(out, format="PNG")
     elif kind == "gray_png":
         image.convert("L").save(out, format="PNG")
@@ -96,8 +101,8 @@ def write_photo_folder(root: Path) -> Path:
 
 
 def reference_rgb(path: Path | str) -> torch.Tensor:
-    """The file decoded by PIL as uint8 (3, H, W) RGB. 16-bit images keep their high byte (PIL's own reading of
-    16-bit RGB; for 16-bit grayscale PIL's ``convert("RGB")`` clips to 255, so the shift is done here)."""
+    """The file decoded by PIL as uint8 (3, H, W) RGB. 16-bit images keep their high byte (PIL's own reading
+    of 16-bit RGB; for 16-bit grayscale PIL's ``convert("RGB")`` clips to 255, so the shift is done here)."""
     image = Image.open(path)
     if image.mode.startswith("I;16") or image.mode == "I":
         gray = (np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8)

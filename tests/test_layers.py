@@ -27,11 +27,17 @@ def test_the_checker_sees_the_real_imports():
     found = set(imports(REPO))
     assert Import("lightning_plugin.strategy", "lightning_plugin.compile_mixin", 21, True) in found
     # ``from lightning_plugin import dynamo_cache`` names a module, not an attribute of the package
-    assert any(i.importer == "lightning_plugin.compiler" and i.imported == "lightning_plugin.dynamo_cache"
-               for i in found)
+    assert any(
+        i.importer == "lightning_plugin.compiler" and i.imported == "lightning_plugin.dynamo_cache"
+        for i in found
+    )
     # lazy imports are parsed too (they are held to the layers)
-    assert any(i.importer == "lightning_plugin.compiler" and i.imported == "lightning_plugin.substitution"
-               and not i.module_level for i in found)
+    assert any(
+        i.importer == "lightning_plugin.compiler"
+        and i.imported == "lightning_plugin.substitution"
+        and not i.module_level
+        for i in found
+    )
     assert any(
         i.importer == "vision.recipes._build" and i.imported.startswith("lightning_plugin") for i in found
     )
@@ -49,17 +55,20 @@ def _plant(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_planted_layer_violations_are_reported(tmp_path):
-    root = _plant(tmp_path, {
-        "kernels/op.py": "import lightning_plugin.config\n",  # module level, one layer up
-        "lightning_plugin/config.py": """
+    root = _plant(
+        tmp_path,
+        {
+            "kernels/op.py": "import lightning_plugin.config\n",  # module level, one layer up
+            "lightning_plugin/config.py": """
             def load():
                 from vision.models import resnet  # lazy, still against the layers
                 return resnet
         """,
-        "lightning_plugin/sub/__init__.py": "",
-        "lightning_plugin/sub/deep.py": "from ..config import load\n",  # relative, same layer: allowed
-        "vision/models.py": "import kernels.op\nimport lightning_plugin.config\n",  # downward: allowed
-    })
+            "lightning_plugin/sub/__init__.py": "",
+            "lightning_plugin/sub/deep.py": "from ..config import load\n",  # relative, same layer: allowed
+            "vision/models.py": "import kernels.op\nimport lightning_plugin.config\n",  # downward: allowed
+        },
+    )
     problems = layer_violations(root)
     assert len(problems) == 2, problems
     assert problems[0].startswith("kernels.op (line 1, module level) imports lightning_plugin.config")
@@ -75,24 +84,27 @@ def test_a_relative_import_is_resolved_before_the_layer_check(tmp_path):
 
 
 def test_planted_cycles_are_reported(tmp_path):
-    root = _plant(tmp_path, {
-        "lightning_plugin/a.py": "from lightning_plugin import b\n",
-        "lightning_plugin/b.py": "try:\n    import lightning_plugin.c\nexcept ImportError:\n    pass\n",
-        # class bodies run at import
-        "lightning_plugin/c.py": "class C:\n    from lightning_plugin.a import thing\n",
-        # not cycles: a lazy import, and a TYPE_CHECKING-only one
-        "vision/p.py": "import vision.q\n",
-        "vision/q.py": """
+    root = _plant(
+        tmp_path,
+        {
+            "lightning_plugin/a.py": "from lightning_plugin import b\n",
+            "lightning_plugin/b.py": "try:\n    import lightning_plugin.c\nexcept ImportError:\n    pass\n",
+            # class bodies run at import
+            "lightning_plugin/c.py": "class C:\n    from lightning_plugin.a import thing\n",
+            # not cycles: a lazy import, and a TYPE_CHECKING-only one
+            "vision/p.py": "import vision.q\n",
+            "vision/q.py": """
             from typing import TYPE_CHECKING
             if TYPE_CHECKING:
                 import vision.p
             def f():
                 import vision.p
         """,
-        # a package whose __init__ imports a submodule that imports a name from the package
-        "kernels/__init__.py": "from kernels.op import run\n",
-        "kernels/op.py": "from kernels import INT_LIMIT\n",
-    })
+            # a package whose __init__ imports a submodule that imports a name from the package
+            "kernels/__init__.py": "from kernels.op import run\n",
+            "kernels/op.py": "from kernels import INT_LIMIT\n",
+        },
+    )
     assert import_cycles(root) == [
         ["kernels", "kernels.op"],
         ["lightning_plugin.a", "lightning_plugin.b", "lightning_plugin.c"],

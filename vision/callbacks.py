@@ -1,10 +1,11 @@
 """The callbacks ``lcv fit`` adds besides the plugin's: checkpoints that mean what their names say, a progress
 bar and a model summary without noise, a throughput meter, and a logging interval that fits short epochs.
 
-Each one fixes something a user of ``lcv`` read wrong with Lightning's defaults: ``last.ckpt`` holding an early
-epoch (Lightning 2.6 rewrites it only when the monitored metric improves), ``Epoch 1/1`` shown for the second of
-two epochs, a ``v_num: 0.000`` metric, a FLOPs column of zeros, an unexplained "Non-trainable params" count
-(the EMA copy), and ``train/loss`` never logged when an epoch has fewer batches than the logging interval.
+Each one fixes something a user of ``lcv`` read wrong with Lightning's defaults: ``last.ckpt`` holding an
+early epoch (Lightning 2.6 rewrites it only when the monitored metric improves), ``Epoch 1/1`` shown for the
+second of two epochs, a ``v_num: 0.000`` metric, a FLOPs column of zeros, an unexplained "Non-trainable
+params" count (the EMA copy), and ``train/loss`` never logged when an epoch has fewer batches than the logging
+interval.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
+from lightning_plugin.trainer_attributes import runtime_attributes
 
-__all__ = ["BestAndLastCheckpoint", "FitLoggingInterval", "LcvModelSummary", "LcvProgressBar", "ThroughputMeter"]
+__all__ = [
+    "BestAndLastCheckpoint",
+    "FitLoggingInterval",
+    "LcvModelSummary",
+    "LcvProgressBar",
+    "ThroughputMeter",
+]
 
 
 class ThroughputMeter(Callback):
@@ -54,12 +62,15 @@ class ThroughputMeter(Callback):
         self.meter.discard()
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.step_started()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.meter.step_ended(int(batch[0].shape[0]))
 
     @override
@@ -80,8 +91,8 @@ class ThroughputMeter(Callback):
 
 
 class BestAndLastCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose ``last.ckpt`` is always the latest state: rewritten after every validation and at
-    the end of every training epoch and of training, whether or not the monitored metric improved.
+    """``ModelCheckpoint`` whose ``last.ckpt`` is always the latest state: rewritten after every validation
+    and at the end of every training epoch and of training, whether or not the monitored metric improved.
 
     It also remembers the best checkpoint of the run it resumed from when that run wrote to another folder
     (Lightning then does not restore it), so a summary can name the best of the whole training.
@@ -95,7 +106,12 @@ class BestAndLastCheckpoint(ModelCheckpoint):
         self.resumed_best: tuple[float, str] | None = None  # (score, path) of the run resumed from
 
     def _refresh_last(self, trainer: Trainer) -> None:
-        if not self.save_last or trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit":
+        if (
+            not self.save_last
+            or runtime_attributes(trainer).fast_dev_run
+            or trainer.sanity_checking
+            or trainer.state.fn != "fit"
+        ):
             return
         if self._last_saved_at != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -145,7 +161,8 @@ class BestAndLastCheckpoint(ModelCheckpoint):
 
 
 class LcvProgressBar(RichProgressBar):
-    """Rich progress bar that counts epochs from 1 (``Epoch 2/2`` for the last of two) and shows no ``v_num``."""
+    """Rich progress bar that counts epochs from 1 (``Epoch 2/2`` for the last of two) and shows no
+    ``v_num``."""
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
@@ -179,8 +196,11 @@ class LcvModelSummary(ModelSummary):
             count = sum(p.numel() for p in child.parameters())
             if count:
                 trained = sum(p.numel() for p in child.parameters() if p.requires_grad)
-                role = "trained" if trained == count else ("not trained" if trained == 0 else
-                                                           f"{get_human_readable_count(trained)} trained")
+                role = (
+                    "trained"
+                    if trained == count
+                    else ("not trained" if trained == 0 else f"{get_human_readable_count(trained)} trained")
+                )
                 if name == "ema":
                     role = "not trained: the moving average of `model`'s weights, used to evaluate"
                 rows.append((name, type(child).__name__, get_human_readable_count(count), role))
@@ -191,20 +211,22 @@ class LcvModelSummary(ModelSummary):
         total = sum(p.numel() for p in pl_module.parameters())
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         size_mb = sum(p.numel() * p.element_size() for p in pl_module.parameters()) / 1e6
-        lines.append(f"{get_human_readable_count(trainable)} trainable parameters of "
-                     f"{get_human_readable_count(total)} ({size_mb:.1f} MB)")
+        lines.append(
+            f"{get_human_readable_count(trainable)} trainable parameters of "
+            f"{get_human_readable_count(total)} ({size_mb:.1f} MB)"
+        )
         rank_zero_info("\n".join(lines))
 
 
 class FitLoggingInterval(Callback):
-    """Lowers ``Trainer.log_every_n_steps`` to the number of training batches per epoch when an epoch is shorter,
-    so per-step metrics (``train/loss``) are logged at least once an epoch instead of never.
+    """Lowers ``Trainer.log_every_n_steps`` to the number of training batches per epoch when an epoch is
+    shorter, so per-step metrics (``train/loss``) are logged at least once an epoch instead of never.
 
     Runs in ``setup``, after the datamodule's and before Lightning sizes the training loop."""
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        count = getattr(trainer.datamodule, "num_train_batches", None)
+        count = getattr(runtime_attributes(trainer).datamodule, "num_train_batches", None)
         if stage != "fit" or count is None:
             return
         batches = count()
@@ -213,5 +235,6 @@ class FitLoggingInterval(Callback):
             batches = min(batches, limit)
         elif limit is not None and limit < 1.0:
             batches = int(batches * limit)
-        if 0 < batches < trainer.log_every_n_steps:
-            trainer.log_every_n_steps = batches
+        attributes = runtime_attributes(trainer)
+        if 0 < batches < attributes.log_every_n_steps:
+            attributes.log_every_n_steps = batches

@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from lightning_plugin.trainer_attributes import runtime_attributes
 from vision.callbacks import BestAndLastCheckpoint, ThroughputMeter
 from vision.compiler_summary import CompilerSummary
 from vision.data.datasets import DatasetError
@@ -41,7 +43,8 @@ __all__ = ["LcvCLI", "LcvError", "ThroughputMeter", "main", "run"]
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _HELP_RECIPE = "digits-small"  # whose options `lcv fit --help` shows when no --recipe is given
-_USAGE = """usage: lcv {fit,validate,test,predict} --recipe NAME [--config FILE] [--model.* ...] [--data.* ...]
+_USAGE = """usage: lcv {fit,validate,test,predict} --recipe NAME [--config FILE] [--model.* ...] \
+[--data.* ...]
                                          [--trainer.* ...] [--ckpt_path CKPT]
        lcv recipes [NAME | PATTERN]
 
@@ -57,8 +60,11 @@ class LcvError(ValueError):
 
 
 #: Lightning info lines ``lcv`` does not show: an advertisement and notes about its own internals.
-_NOT_SHOWN = ("litlogger", "Trainer already configured with model summary callbacks",
-              "to estimate number of stepping batches")
+_NOT_SHOWN = (
+    "litlogger",
+    "Trainer already configured with model summary callbacks",
+    "to estimate number of stepping batches",
+)
 
 #: model options that decide the architecture: a checkpoint's weights only fit its own values.
 _ARCHITECTURE_OPTIONS = ("model", "model_kwargs")
@@ -94,7 +100,7 @@ class LcvCLI(LightningCLI):
         self.throughput = ThroughputMeter()
         self.started = time.perf_counter()
         #: test metrics after ``fit`` per evaluated weights: ``{"EMA": {...}, "final": {...}}``
-        self.test_results: dict[str, dict[str, float]] = {}
+        self.test_results: dict[str, Mapping[str, float]] = {}
         self._argv = list(sys.argv[1:] if kwargs.get("args") is None else kwargs["args"])
         self._checkpoint_hparams: dict[str, Any] = {}
         _quiet_lightning()
@@ -111,16 +117,22 @@ class LcvCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
-            "--recipe", type=str, default=self.recipe.name,
+            "--recipe",
+            type=str,
+            default=self.recipe.name,
             help=f"Recipe that sets the defaults of every option (known: {', '.join(list_recipes())}).",
         )
         parser.add_argument(
-            "--test_after_fit", type=bool, default=True,
-            help="fit only: test the final weights (and the EMA weights, when kept) after training and print a "
-                 "summary.",
+            "--test_after_fit",
+            type=bool,
+            default=True,
+            help="fit only: test the final weights (and the EMA weights, when kept) after training and "
+            "print a summary.",
         )
         parser.add_argument(
-            "--predictions_path", type=str | None, default=None,
+            "--predictions_path",
+            type=str | None,
+            default=None,
             help="predict only: save the predictions (probs, preds) to this .pt file.",
         )
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -150,9 +162,9 @@ class LcvCLI(LightningCLI):
 
     @override
     def _parse_ckpt_path(self) -> None:
-        """Lightning copies the checkpoint's model hyperparameters over the parsed options; here the checkpoint
-        must come from this recipe, and model options given on the command line (or in a --config file) win,
-        except the ones that decide the architecture, where a difference is an error."""
+        """Lightning copies the checkpoint's model hyperparameters over the parsed options; here the
+        checkpoint must come from this recipe, and model options given on the command line (or in a --config
+        file) win, except the ones that decide the architecture, where a difference is an error."""
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
@@ -165,17 +177,17 @@ class LcvCLI(LightningCLI):
         saved = hparams.get("recipe")
         if saved and saved != self.recipe.name:
             raise LcvError(
-                f"--ckpt_path {path!r} was saved by recipe {saved!r}, not {self.recipe.name!r}: its model does not "
-                f"fit recipe {self.recipe.name!r}. Leave out --recipe (the checkpoint's recipe is then used) or give a "
-                f"checkpoint of {self.recipe.name!r}"
+                f"--ckpt_path {path!r} was saved by recipe {saved!r}, not {self.recipe.name!r}: its model "
+                f"does not fit recipe {self.recipe.name!r}. Leave out --recipe (the checkpoint's recipe is "
+                f"then used) or give a checkpoint of {self.recipe.name!r}"
             )
         model = self.config[subcommand]["model"]
         given = {key: model[key] for key in self._given_model_options() if key in model}
         for key in _ARCHITECTURE_OPTIONS:
             if key in given and key in hparams and given[key] != hparams[key]:
                 raise LcvError(
-                    f"--model.{key} {given[key]!r} conflicts with --ckpt_path {path!r}, whose weights are for "
-                    f"{key}={hparams[key]!r}; leave out --model.{key}"
+                    f"--model.{key} {given[key]!r} conflicts with --ckpt_path {path!r}, whose weights are "
+                    f"for {key}={hparams[key]!r}; leave out --model.{key}"
                 )
         super()._parse_ckpt_path()
         for key, value in given.items():
@@ -184,8 +196,11 @@ class LcvCLI(LightningCLI):
 
     def _given_model_options(self) -> set[str]:
         """The ``--model.*`` options set on the command line or in a --config file."""
-        keys = {arg[len("--model."):].split("=", 1)[0].split(".", 1)[0]
-                for arg in self._argv if arg.startswith("--model.")}
+        keys = {
+            arg[len("--model.") :].split("=", 1)[0].split(".", 1)[0]
+            for arg in self._argv
+            if arg.startswith("--model.")
+        }
         for path in _option(self._argv, "--config", "-c"):
             loaded = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
             if isinstance(loaded, dict):
@@ -238,13 +253,19 @@ class LcvCLI(LightningCLI):
         if self.trainer.is_global_zero:
             print(self.fit_summary())
 
-    def fit(self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any) -> None:
+    def fit(
+        self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any
+    ) -> None:
         with warnings.catch_warnings():
             if ckpt_path is None:
                 # With FaultTolerantCheckpoint among the callbacks, Lightning turns ckpt_path=None into "last"
                 # and warns twice; a new lcv run has its own version folder, so there is nothing to resume.
-                warnings.filterwarnings("ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model")
-                warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
+                warnings.filterwarnings(
+                    "ignore", message=r"`\.fit\(ckpt_path=None\)` was called without a model"
+                )
+                warnings.filterwarnings(
+                    "ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last'
+                )
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
     def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
@@ -261,9 +282,11 @@ class LcvCLI(LightningCLI):
         """The lines ``lcv fit`` prints at the end: accuracy of each evaluated weights, the best and the last
         checkpoints, throughput, where the logs are."""
         trainer = self.trainer
-        lines = [f"lcv fit --recipe {self.recipe.name}: done in {time.perf_counter() - self.started:.1f} s "
-                 f"(from parsing the options to the end, imports not included; {trainer.current_epoch} "
-                 f"epochs, {trainer.global_step} steps, device {trainer.strategy.root_device})"]
+        lines = [
+            f"lcv fit --recipe {self.recipe.name}: done in {time.perf_counter() - self.started:.1f} s "
+            f"(from parsing the options to the end, imports not included; {trainer.current_epoch} "
+            f"epochs, {trainer.global_step} steps, device {trainer.strategy.root_device})"
+        ]
         for name, result in self.test_results.items():
             text = f"  test accuracy ({name} weights): {100 * result['test/acc']:.2f}%"
             if "test/acc_top5" in result:
@@ -274,9 +297,11 @@ class LcvCLI(LightningCLI):
         best = checkpoint.best() if isinstance(checkpoint, BestAndLastCheckpoint) else None
         if best is not None:
             lines.append(f"  best val/acc ({evaluated} weights): {100 * best[0]:.2f}%, checkpoint {best[1]}")
-        if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
-            lines.append(f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): "
-                         f"{checkpoint.last_model_path}")
+        last_path = getattr(checkpoint, "last_model_path", None)  # ModelCheckpoint's; None without one
+        if last_path:
+            lines.append(
+                f"  last checkpoint (epoch {trainer.current_epoch}, step {trainer.global_step}): {last_path}"
+            )
         overall = self.throughput.images_per_second()
         if overall is not None:
             text = f"  training throughput: {overall:,.0f} images/s (all epochs"
@@ -285,12 +310,18 @@ class LcvCLI(LightningCLI):
             lines.append(text)
         if trainer.logger is not None and getattr(trainer.logger, "log_dir", None):
             lines.append(f"  TensorBoard logs: {trainer.logger.log_dir}   (tensorboard --logdir runs)")
-        lines += [line for c in trainer.callbacks if isinstance(c, CompilerSummary) for line in c.lines()]
+        lines += [
+            line
+            for c in runtime_attributes(trainer).callbacks
+            if isinstance(c, CompilerSummary)
+            for line in c.lines()
+        ]
         return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- checks
-_DISABLES = {  # Trainer flag that, when false, rules out these default callbacks (Lightning would refuse them)
+# Trainer flag that, when false, rules out these default callbacks (Lightning would refuse them).
+_DISABLES = {
     "enable_progress_bar": ("RichProgressBar", "TQDMProgressBar", "LcvProgressBar"),
     "enable_checkpointing": ("ModelCheckpoint", "BestAndLastCheckpoint", "FaultTolerantCheckpoint"),
     "enable_model_summary": ("ModelSummary", "RichModelSummary", "LcvModelSummary"),
@@ -298,7 +329,8 @@ _DISABLES = {  # Trainer flag that, when false, rules out these default callback
 
 
 def _check_run_length(trainer: Any) -> None:
-    """Refuse runs that would train nothing, or that never end (the learning-rate schedule needs their length)."""
+    """Refuse runs that would train nothing, or that never end (the learning-rate schedule needs their
+    length)."""
     get = trainer.get if hasattr(trainer, "get") else lambda k, d=None: getattr(trainer, k, d)
     epochs, steps, limit = get("max_epochs"), get("max_steps"), get("limit_train_batches")
     if epochs == 0:
@@ -306,11 +338,13 @@ def _check_run_length(trainer: Any) -> None:
     if steps == 0:
         raise LcvError("--trainer.max_steps 0 trains nothing; give at least 1 (or -1 for no step limit)")
     if limit is not None and limit == 0:
-        raise LcvError("--trainer.limit_train_batches 0 trains nothing; give a positive number of batches or fraction")
+        raise LcvError(
+            "--trainer.limit_train_batches 0 trains nothing; give a positive number of batches or fraction"
+        )
     if epochs is not None and epochs < 0 and (steps is None or steps < 0):
         raise LcvError(
-            f"--trainer.max_epochs {epochs} trains until stopped, but the learning-rate schedule needs the run's "
-            "length: give --trainer.max_steps N (or a number of epochs)"
+            f"--trainer.max_epochs {epochs} trains until stopped, but the learning-rate schedule needs the "
+            "run's length: give --trainer.max_steps N (or a number of epochs)"
         )
 
 
@@ -331,25 +365,28 @@ def _check_data(recipe: Recipe, data: Any) -> None:
         root, zip_path, download = get("root"), get("zip_path"), get("download")
         if root is None and zip_path is None:
             raise LcvError(
-                f"recipe {recipe.name!r} trains on CIFAR-10: give --data.root DIR (torchvision's CIFAR-10 there; "
-                "add --data.download true to fetch it) or --data.zip_path FILE (JPEGs in ImageFolder layout "
-                "with train/ and test/)"
+                f"recipe {recipe.name!r} trains on CIFAR-10: give --data.root DIR (torchvision's CIFAR-10 "
+                "there; add --data.download true to fetch it) or --data.zip_path FILE (JPEGs in ImageFolder "
+                "layout with train/ and test/)"
             )
         if zip_path is not None and not Path(zip_path).exists():
             raise LcvError(f"--data.zip_path {zip_path!r} does not exist")
         if zip_path is None and not download and not Path(root).is_dir():
             raise LcvError(
-                f"--data.root {root!r} is not a directory; add --data.download true to download CIFAR-10 there"
+                f"--data.root {root!r} is not a directory; add --data.download true to download CIFAR-10 "
+                "there"
             )
     elif recipe.dataset == "imagefolder":
         root = get("root")
         if root is None:
             raise LcvError(
-                f"recipe {recipe.name!r} trains on an ImageFolder tree: give --data.root DIR (or a .zip) with "
-                "train/<class>/* and val/<class>/*"
+                f"recipe {recipe.name!r} trains on an ImageFolder tree: give --data.root DIR (or a .zip) "
+                "with train/<class>/* and val/<class>/*"
             )
         if not Path(root).exists():
-            raise LcvError(f"--data.root {root!r} does not exist (expected train/<class>/* and val/<class>/*)")
+            raise LcvError(
+                f"--data.root {root!r} does not exist (expected train/<class>/* and val/<class>/*)"
+            )
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -366,7 +403,8 @@ def _option(argv: list[str], *names: str) -> list[str]:
 
 
 def _recipe_name(argv: list[str]) -> str | None:
-    """The recipe: ``--recipe``, else a ``--config`` file's ``recipe:``, else the checkpoint's hyperparameters."""
+    """The recipe: ``--recipe``, else a ``--config`` file's ``recipe:``, else the checkpoint's
+    hyperparameters."""
     given = _option(argv, "--recipe")
     if given:
         return given[-1]
@@ -423,8 +461,8 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``lcv`` (the console script); ``args`` replaces ``sys.argv[1:]``.
 
     Usage errors print ``lcv: error: ...`` and exit with status 2; problems with the user's files (a corrupt
-    image, a missing folder, classes that differ between train and val, weights that cannot be downloaded or do
-    not fit) print the same one line and exit with status 1.
+    image, a missing folder, classes that differ between train and val, weights that cannot be downloaded or
+    do not fit) print the same one line and exit with status 1.
     """
     run(args)
 
@@ -443,7 +481,9 @@ def run(args: list[str] | None = None, gpu: bool | None = None) -> LcvCLI | None
         if argv[0] not in _SUBCOMMANDS:
             close = difflib.get_close_matches(argv[0], [*_SUBCOMMANDS, "recipes"], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise LcvError(f"unknown subcommand {argv[0]!r}.{hint} Choose from {', '.join(_SUBCOMMANDS)}, recipes")
+            raise LcvError(
+                f"unknown subcommand {argv[0]!r}.{hint} Choose from {', '.join(_SUBCOMMANDS)}, recipes"
+            )
         name = _recipe_name(argv)
         if name is None:
             if "-h" in argv or "--help" in argv:

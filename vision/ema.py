@@ -74,15 +74,16 @@ class ModelEMA(nn.Module):
 def ema_warmup_decay(decay: float, updates_before: int) -> float:
     """The decay of an EMA update after ``updates_before`` others: ``min(decay, (1 + k) / (10 + k))``.
 
-    Why: with a decay meant for a long run (0.9999 per update) an average over a few hundred updates never leaves
-    the initial weights. This warm-up (TensorFlow's ``ExponentialMovingAverage(num_updates=)``) keeps the
-    average's horizon near a tenth of the updates so far, until ``decay`` takes over."""
+    Why: with a decay meant for a long run (0.9999 per update) an average over a few hundred updates never
+    leaves the initial weights. This warm-up (TensorFlow's ``ExponentialMovingAverage(num_updates=)``) keeps
+    the average's horizon near a tenth of the updates so far, until ``decay`` takes over."""
     k = max(int(updates_before), 0)
     return min(decay, (1.0 + k) / (10.0 + k))
 
 
 def lookahead_decay(step: int, total_steps: int, every_n_steps: int = 5, base: float = 0.95) -> float:
-    """airbench's schedule: ``base**every_n_steps * (step / total_steps)**3``, near 0 early, ~0.77 at the end."""
+    """airbench's schedule: ``base**every_n_steps * (step / total_steps)**3``, near 0 early, ~0.77 at the
+    end."""
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     progress = min(max(step / total_steps, 0.0), 1.0)

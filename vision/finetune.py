@@ -1,9 +1,9 @@
 """Start training from existing weights: torchvision's/timm's pretrained ones, or a local file.
 
-Users training on their own photos start from pretrained weights: the backbone is loaded and the classification
-head, sized for another label set, is replaced by the model's own freshly initialised head for the data set's
-classes. Any other difference between the weights and the model is an error that names the keys, because
-loading only part of a backbone silently trains a different network.
+Users training on their own photos start from pretrained weights: the backbone is loaded and the
+classification head, sized for another label set, is replaced by the model's own freshly initialised head for
+the data set's classes. Any other difference between the weights and the model is an error that names the
+keys, because loading only part of a backbone silently trains a different network.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def pretrained_state_dict(name: str) -> tuple[dict[str, Tensor], str]:
                 return weights.get_state_dict(progress=True), f"torchvision {weights}"
             except (OSError, RuntimeError) as err:  # URLError is an OSError
                 raise WeightsError(
-                    f"could not download the pretrained weights of {name!r} ({weights.url}): {err}. Offline? Fetch "
-                    f"that file elsewhere and put it at {cached}, or pass a state_dict file with "
+                    f"could not download the pretrained weights of {name!r} ({weights.url}): {err}. Offline? "
+                    f"Fetch that file elsewhere and put it at {cached}, or pass a state_dict file with "
                     "--model.weights PATH"
                 ) from err
     try:
@@ -56,8 +56,8 @@ def pretrained_state_dict(name: str) -> tuple[dict[str, Tensor], str]:
             model = timm.create_model(name, pretrained=True)
         except Exception as err:  # noqa: BLE001 - huggingface_hub raises many kinds when offline
             raise WeightsError(
-                f"could not download timm's pretrained weights of {name!r}: {type(err).__name__}: {err}. Offline? "
-                "Pass a state_dict file with --model.weights PATH"
+                f"could not download timm's pretrained weights of {name!r}: {type(err).__name__}: {err}. "
+                "Offline? Pass a state_dict file with --model.weights PATH"
             ) from err
         return model.state_dict(), f"timm {name}"
     raise WeightsError(
@@ -74,13 +74,15 @@ def read_weights_file(path: str) -> dict[str, Tensor]:
     try:
         loaded: Any = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors
-        raise WeightsError(f"--model.weights {path!r} is not a state_dict saved with torch.save: {err}") from err
+        raise WeightsError(
+            f"--model.weights {path!r} is not a state_dict saved with torch.save: {err}"
+        ) from err
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
         raise WeightsError(f"--model.weights {path!r} does not hold a state_dict (a dict of tensors)")
     if any(k.startswith("model.") for k in loaded):
-        loaded = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
+        loaded = {k[len("model.") :]: v for k, v in loaded.items() if k.startswith("model.")}
     return loaded
 
 
@@ -99,7 +101,11 @@ def classifier_prefixes(model: nn.Module, num_classes: int) -> list[str]:
         for name, module in model.named_modules():
             if module is head:
                 return [name]
-    last = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    last = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m.out_features == num_classes
+    ]
     return last[-1:]
 
 

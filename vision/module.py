@@ -17,13 +17,13 @@ from typing import Any, Literal, Protocol, cast, runtime_checkable
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
+from lightning_plugin.trainer_attributes import runtime_attributes
 from vision.data.loader import first_images
 from vision.ema import ModelEMA, ema_warmup_decay, lookahead_decay
 from vision.finetune import load_initial_weights, pretrained_state_dict, read_weights_file
@@ -60,64 +60,69 @@ class ClassificationModule(pl.LightningModule):
             airbench and torchvision's reference scripts).
         norm_weight_decay: decay of normalisation-layer parameters (torchvision's ``--norm-weight-decay``);
             ``None`` = ``weight_decay``.
-        bias_lr_scale: learning-rate multiplier of the normalisation-layer parameters; their weight decay is divided
-            by the same factor so the per-step decay ``lr * wd`` is unchanged (airbench's 64x BN-bias learning rate).
-        schedule: ``"cosine"``, ``"triangle"`` (linear up, linear down), ``"step"`` or ``"constant"``, per step.
+        bias_lr_scale: learning-rate multiplier of the normalisation-layer parameters; their weight decay is
+            divided by the same factor so the per-step decay ``lr * wd`` is unchanged (airbench's 64x BN-bias
+            learning rate).
+        schedule: ``"cosine"``, ``"triangle"`` (linear up, linear down), ``"step"`` or ``"constant"``, per
+            step.
         warmup_fraction: fraction of all steps spent warming up linearly from ``warmup_start_factor``.
         warmup_start_factor: lr factor at step 0.
         final_lr_factor: lr factor at the last step (cosine and triangle).
         step_epochs, step_gamma: for ``"step"``: multiply by ``step_gamma`` every ``step_epochs`` epochs.
         label_smoothing: cross-entropy label smoothing (works with soft mixup/cutmix targets too).
-        ema_decay: keep an EMA of the weights with this decay and evaluate with it; ``None`` = off. The decay of
-            the k-th update is ``min(ema_decay, (1 + k) / (10 + k))`` (the warm-up of TensorFlow's
-            ``ExponentialMovingAverage(num_updates=)``), so the average follows the weights of short runs instead of
-            staying at the initial ones; the last training step always updates it.
+        ema_decay: keep an EMA of the weights with this decay and evaluate with it; ``None`` = off. The decay
+            of the k-th update is ``min(ema_decay, (1 + k) / (10 + k))`` (the warm-up of TensorFlow's
+            ``ExponentialMovingAverage(num_updates=)``), so the average follows the weights of short runs
+            instead of staying at the initial ones; the last training step always updates it.
         ema_every_n_steps: update the EMA (or lookahead) every n optimizer steps.
         lookahead: airbench's scheme instead of a plain EMA: every ``ema_every_n_steps`` the average moves
-            with decay ``0.95**n * progress**3`` and the live model is reset to it. Not together with ``ema_decay``.
+            with decay ``0.95**n * progress**3`` and the live model is reset to it. Not together with
+            ``ema_decay``.
         tta: test-time augmentation for ``test``/``predict``: ``"none"``, ``"flip"`` or ``"flip_translate"``.
         whitening_images: for models with ``init_whitening`` (airbench): how many training images set the
             whitening filters at the start of fit; 0 = leave them.
-        whitening_bias_epochs: train the whitening bias only for the first n epochs (airbench: 3); ``None`` = always.
+        whitening_bias_epochs: train the whitening bias only for the first n epochs (airbench: 3); ``None`` =
+            always.
         channels_last: convert the model to channels_last memory format.
         recipe: name of the recipe these settings came from. Informational, but saved with the
             hyperparameters so that ``lcv test --ckpt_path X`` can find the data set without ``--recipe``.
         pretrained: start ``fit`` from the model's pretrained weights (torchvision's, else timm's; downloaded
             once into their cache), with a new head for ``num_classes``.
-        weights: start ``fit`` from a ``state_dict`` file (``torch.save``; a checkpoint of this module works too),
-            with a new head when the file's head has another number of classes. Not with ``pretrained``.
-            Either is loaded when a ``fit`` begins without a checkpoint to resume (a resumed one overwrites them).
+        weights: start ``fit`` from a ``state_dict`` file (``torch.save``; a checkpoint of this module works
+            too), with a new head when the file's head has another number of classes. Not with ``pretrained``.
+            Either is loaded when a ``fit`` begins without a checkpoint to resume (a resumed one overwrites
+            them).
     """
 
     def __init__(
-            self,
-            model: str = "resnet18",
-            num_classes: int | None = None,
-            model_kwargs: dict[str, Any] | None = None,
-            optimizer: Literal["sgd", "adamw"] = "sgd",
-            lr: float = 0.1,
-            momentum: float = 0.9,
-            nesterov: bool = False,
-            weight_decay: float = 5e-4,
-            norm_weight_decay: float | None = None,
-            bias_lr_scale: float = 1.0,
-            schedule: Schedule = "cosine",
-            warmup_fraction: float = 0.0,
-            warmup_start_factor: float = 0.01,
-            final_lr_factor: float = 0.0,
-            step_epochs: int = 30,
-            step_gamma: float = 0.1,
-            label_smoothing: float = 0.0,
-            ema_decay: float | None = None,
-            ema_every_n_steps: int = 1,
-            lookahead: bool = False,
-            tta: Literal["none", "flip", "flip_translate"] = "none",
-            whitening_images: int = 0,
-            whitening_bias_epochs: int | None = None,
-            channels_last: bool = True,
-            recipe: str | None = None,
-            pretrained: bool = False,
-            weights: str | None = None,
+        self,
+        model: str = "resnet18",
+        num_classes: int | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 5e-4,
+        norm_weight_decay: float | None = None,
+        bias_lr_scale: float = 1.0,
+        schedule: Schedule = "cosine",
+        warmup_fraction: float = 0.0,
+        warmup_start_factor: float = 0.01,
+        final_lr_factor: float = 0.0,
+        step_epochs: int = 30,
+        step_gamma: float = 0.1,
+        label_smoothing: float = 0.0,
+        ema_decay: float | None = None,
+        ema_every_n_steps: int = 1,
+        lookahead: bool = False,
+        tta: Literal["none", "flip", "flip_translate"] = "none",
+        whitening_images: int = 0,
+        whitening_bias_epochs: int | None = None,
+        channels_last: bool = True,
+        recipe: str | None = None,
+        pretrained: bool = False,
+        weights: str | None = None,
     ) -> None:
         super().__init__()
         _validate(locals())
@@ -142,13 +147,14 @@ class ClassificationModule(pl.LightningModule):
             model = create_model(hp.model, num_classes=num_classes, **(hp.model_kwargs or {}))
         except TypeError as err:  # typically model_kwargs meant for another architecture
             raise ValueError(
-                f"model {hp.model!r} does not accept model_kwargs={hp.model_kwargs!r} ({err}); when changing the "
+                f"model {hp.model!r} does not accept model_kwargs={hp.model_kwargs!r} ({err}); when changing "
+                "the "
                 "model, set its kwargs too (lcv: --model.model_kwargs '{}')"
             ) from err
         if hp.whitening_images and not hasattr(model, "init_whitening"):
             raise ValueError(
-                f"whitening_images={hp.whitening_images} needs a model with a whitening layer (airbench*), but "
-                f"{hp.model!r} has none; set whitening_images=0 (lcv: --model.whitening_images 0)"
+                f"whitening_images={hp.whitening_images} needs a model with a whitening layer (airbench*), "
+                f"but {hp.model!r} has none; set whitening_images=0 (lcv: --model.whitening_images 0)"
             )
         if hp.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -170,15 +176,16 @@ class ClassificationModule(pl.LightningModule):
             num_classes = getattr(datamodule, "num_classes", None)
             if num_classes is None:
                 raise ValueError(
-                    "ClassificationModule(num_classes=None) needs a datamodule with a `num_classes` attribute; "
-                    "pass num_classes explicitly"
+                    "ClassificationModule(num_classes=None) needs a datamodule with a `num_classes` "
+                    "attribute; pass num_classes explicitly"
                 )
             self._build(int(num_classes))
         if stage == "fit" and (self._hp.pretrained or self._hp.weights) and not self._initial_weights_loaded:
             self.load_initial_weights()
 
     def load_initial_weights(self) -> str:
-        """Load the ``pretrained`` or ``weights`` file weights into the model (and its EMA); returns the report.
+        """Load the ``pretrained`` or ``weights`` file weights into the model (and its EMA); returns the
+        report.
 
         Called at the start of the first ``fit`` (before compiling), so fine-tuning needs no extra step."""
         hp = self._hp
@@ -195,10 +202,10 @@ class ClassificationModule(pl.LightningModule):
         rank_zero_info(f"{type(self).__name__}: {report}")
         return report
 
-    # ----------------------------------------------------------------------------------------- evaluation weights
+    # ------------------------------------------------------------------------------------- evaluation weights
     def evaluation_weights(self) -> list[str]:
-        """The weights this module can evaluate, the default first: ``["EMA", "final"]`` with a plain EMA, else
-        ``["final"]`` (with lookahead the final weights are the average)."""
+        """The weights this module can evaluate, the default first: ``["EMA", "final"]`` with a plain EMA,
+        else ``["final"]`` (with lookahead the final weights are the average)."""
         return ["EMA", "final"] if self.ema is not None and not self._hp.lookahead else ["final"]
 
     @contextlib.contextmanager
@@ -216,7 +223,9 @@ class ClassificationModule(pl.LightningModule):
     @override
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.model is None:
-            raise RuntimeError("the model is not built yet: pass num_classes or run inside a Trainer with a datamodule")
+            raise RuntimeError(
+                "the model is not built yet: pass num_classes or run inside a Trainer with a datamodule"
+            )
         # Evaluate with the plain EMA; with lookahead the live model is itself the average at eval time.
         if not self.training and self.evaluation_weights()[0] == "EMA" and self._evaluate_with != "final":
             assert self.ema is not None  # "EMA" is offered only when it is kept
@@ -224,7 +233,8 @@ class ClassificationModule(pl.LightningModule):
         return self.model(images)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy for int64 class targets (N,) or soft float targets (N, num_classes) from mixup/cutmix."""
+        """Cross-entropy for int64 class targets (N,) or soft float targets (N, num_classes) from
+        mixup/cutmix."""
         return F.cross_entropy(logits.float(), targets, label_smoothing=self._hp.label_smoothing)
 
     # ----------------------------------------------------------------------------------------- steps
@@ -361,7 +371,9 @@ def _split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 
     Called from ``configure_optimizers``, before ``whitening_bias_epochs`` can freeze the whitening bias,
     so that bias keeps its place in the optimizer (its gradient is simply ``None`` once frozen)."""
-    norm_ids = {id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
+    norm_ids = {
+        id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)
+    }
     trainable = [p for p in model.parameters() if p.requires_grad]
     return [p for p in trainable if id(p) not in norm_ids], [p for p in trainable if id(p) in norm_ids]
 
@@ -378,7 +390,7 @@ def _first_images(trainer: pl.Trainer, n: int) -> torch.Tensor:
     A datamodule with ``sample_train_images`` (the recipe DataModules) gives a seeded random sample of
     unaugmented images without touching its train loader; otherwise they come from the start of the train
     loader."""
-    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set at runtime by Lightning
+    datamodule = runtime_attributes(trainer).datamodule
     if datamodule is not None and hasattr(datamodule, "sample_train_images"):
         return datamodule.sample_train_images(n).float()
     loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader

@@ -24,7 +24,7 @@ def _mirror_average(model: Callable[[torch.Tensor], torch.Tensor], images: torch
 
 
 def predict_with_tta(
-        model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, mode: TTAMode = "flip"
+    model: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, mode: TTAMode = "flip"
 ) -> torch.Tensor:
     """Logits of ``model`` on ``images`` (N, C, H, W), averaged over the views of ``mode``.
 
@@ -52,4 +52,8 @@ def predict_with_tta(
 
 def _format_of(images: torch.Tensor) -> torch.memory_format:
     """Keep channels_last inputs channels_last after slicing (a compiled model guards on strides)."""
-    return torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+    return (
+        torch.channels_last
+        if images.is_contiguous(memory_format=torch.channels_last)
+        else torch.contiguous_format
+    )

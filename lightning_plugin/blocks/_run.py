@@ -3,7 +3,8 @@ them."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from kernels.layer_norm2d_act import layer_norm2d_act_forward
 #: Instance attribute holding a rewritten module's plan (dicts/tuples of :class:`Step`: deep-copies, pickles).
 PLAN_ATTR = "_lcv_plan"
 
-_NORM_OPS = {
+_NORM_OPS: dict[str, Callable[..., torch.Tensor]] = {
     "batch_norm_act": batch_norm_act_forward,
     "group_norm_act": group_norm_act_forward,
     "layer_norm2d_act": layer_norm2d_act_forward,
@@ -68,7 +69,7 @@ def run_step(
     owner: nn.Module, step: Step, x: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     if step.mode == "call":
-        return owner._modules[step.norm](x)
+        return cast(nn.Module, owner._modules[step.norm])(x)  # planned from a present submodule
     conv = submodule(owner, step.conv) if step.conv is not None else None
     norm = submodule(owner, step.norm)
     mode = step.mode if _still_fusable(owner, step, conv, norm, x) else "eager"
@@ -88,7 +89,8 @@ def run_step(
     late = residual if step.own_act and step.act != "none" else None
     fused_residual = None if late is not None else residual
     if mode == "conv_bn_act":
-        y = conv_bn_act_forward(conv, norm, x, step.act, fused_residual)
+        # The plan fuses conv+BN only for a block with a conv (Step.conv set).
+        y = conv_bn_act_forward(cast(nn.Conv2d, conv), norm, x, step.act, fused_residual)
     else:
         if conv is not None:
             x = conv(x)

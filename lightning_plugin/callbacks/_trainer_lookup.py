@@ -8,11 +8,14 @@ unrelated classes provide them: the compiled strategies and the ``TorchCompile``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_plugin.config import CompileConfig
+from lightning_plugin.trainer_attributes import runtime_attributes
 
 
 def tensorboard_writer(trainer: pl.Trainer) -> Any:
@@ -30,7 +33,7 @@ def flush_tensorboard(trainer: pl.Trainer) -> None:
 
 
 def logging_interval(trainer: pl.Trainer, log_every_n_steps: int | None) -> int:
-    return log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+    return log_every_n_steps or max(1, int(runtime_attributes(trainer).log_every_n_steps))
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
@@ -56,7 +59,7 @@ def batch_size(batch: Any, batch_size_fn: Callable[[Any], int] | None = None) ->
 
 def _compilers(trainer: pl.Trainer) -> list[Any]:
     """The strategy, then the callbacks (e.g. ``TorchCompile``): whoever compiled the module."""
-    return [trainer.strategy, *trainer.callbacks]
+    return [trainer.strategy, *runtime_attributes(trainer).callbacks]
 
 
 def compile_stats(trainer: pl.Trainer) -> Any:
@@ -77,10 +80,10 @@ def kernel_decisions(trainer: pl.Trainer) -> list[Any]:
     return []
 
 
-def compile_config(trainer: pl.Trainer) -> Any:
+def compile_config(trainer: pl.Trainer) -> CompileConfig | None:
     for owner in _compilers(trainer):
         compiler = getattr(owner, "_compiler", None)  # the TorchCompile callback's
         config = getattr(owner, "compile_config", None) or getattr(compiler, "config", None)
         if config is not None:
-            return config
+            return cast(CompileConfig, config)  # a compiled strategy's or TorchCompile's
     return None

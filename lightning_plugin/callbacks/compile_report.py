@@ -118,10 +118,12 @@ class CompileReport(Callback):
             "compile/graphs": (len(graphs), lambda: _graph_table(graphs)),
             "compile/break_reasons": (len(stats.break_reasons), lambda: _bullets(list(stats.break_reasons))),
             "compile/recompile_reasons": (
-                len(stats.recompile_reasons), lambda: _bullets(list(stats.recompile_reasons))
+                len(stats.recompile_reasons),
+                lambda: _bullets(list(stats.recompile_reasons)),
             ),
             "compile/fallback": (
-                int(fell_back), lambda: str(getattr(stats, "fallback_reason", "fell back to eager"))
+                int(fell_back),
+                lambda: str(getattr(stats, "fallback_reason", "fell back to eager")),
             ),
             "compile/kernel_decisions": (len(decisions), lambda: _decision_table(decisions)),
         }

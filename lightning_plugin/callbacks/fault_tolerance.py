@@ -48,7 +48,9 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
 
     def __init__(self, dirpath: _PATH | None = None, filename: str = "interrupted") -> None:
         if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath)):
-            raise ValueError(f"FaultTolerantCheckpoint: dirpath must be a non-empty path or None, got {dirpath!r}")
+            raise ValueError(
+                f"FaultTolerantCheckpoint: dirpath must be a non-empty path or None, got {dirpath!r}"
+            )
         super().__init__(dirpath if dirpath is not None else "", filename)
         self._resolve_dirpath = dirpath is None
         self._loader_states_at_step_end: list[dict[str, Any]] | None = None

@@ -24,6 +24,7 @@ from lightning_plugin.callbacks._trainer_lookup import (
     flush_tensorboard,
     kernel_decisions,
 )
+from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = ["HParamsRecord"]
 
@@ -73,7 +74,7 @@ class HParamsRecord(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[dict[str, Any], dict[str, float]]:
         params: dict[str, Any] = dict(_plain(dict(pl_module.hparams)))
-        datamodule = trainer.datamodule
+        datamodule = runtime_attributes(trainer).datamodule
         if datamodule is not None:
             params.update({f"data/{k}": v for k, v in _plain(dict(datamodule.hparams)).items()})
         params["trainer/strategy"] = type(trainer.strategy).__name__
@@ -85,7 +86,7 @@ class HParamsRecord(Callback):
             for name in ("backend", "mode", "fullgraph", "dynamic", "regional", "fallback"):
                 value = getattr(config, name, None)
                 params[f"compile/{name}"] = getattr(value, "__name__", value)
-            kernels = getattr(config, "kernels", None)
+            kernels = config.kernels
             params["compile/kernels"] = kernels if isinstance(kernels, str) else ",".join(sorted(kernels))
         metrics = {
             f"final/{k}": float(v)

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_plugin.callbacks._options import check_normalization, check_options
 from lightning_plugin.callbacks._trainer_lookup import first_tensor, flush_tensorboard, tensorboard_writer
 from lightning_plugin.step_meter import StepMeter
+from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = ["ImageGrid", "NormalizedBatches"]
 
@@ -60,6 +61,8 @@ class ImageGrid(Callback):
         check_options(type(self).__name__, num_images=num_images)
         normalization = check_normalization(type(self).__name__, mean, std)
         self.num_images = num_images
+        self.mean: list[float] | None
+        self.std: list[float] | None
         self.mean, self.std = normalization if normalization is not None else (None, None)
         self.meter = meter
         self._pending = False
@@ -123,7 +126,7 @@ def _loader_normalization(trainer: pl.Trainer) -> tuple[list[float] | None, list
 
 
 def _datamodule_normalization(trainer: pl.Trainer) -> tuple[list[float] | None, list[float] | None]:
-    datamodule = trainer.datamodule
+    datamodule = runtime_attributes(trainer).datamodule
     for mean_attr, std_attr in _NORMALIZATION_ATTRS:
         mean, std = getattr(datamodule, mean_attr, None), getattr(datamodule, std_attr, None)
         if mean is not None and std is not None:

@@ -74,9 +74,15 @@ class TrainingMonitor(Callback):
     ) -> None:
         super().__init__()
         check_options(
-            "TrainingMonitor", log_every_n_steps=log_every_n_steps, flops_per_sample=flops_per_sample,
-            peak_flops=peak_flops, num_images=num_images, measure_flops=measure_flops, log_images=log_images,
-            log_hparams=log_hparams, batch_size_fn=batch_size_fn,
+            "TrainingMonitor",
+            log_every_n_steps=log_every_n_steps,
+            flops_per_sample=flops_per_sample,
+            peak_flops=peak_flops,
+            num_images=num_images,
+            measure_flops=measure_flops,
+            log_images=log_images,
+            log_hparams=log_hparams,
+            batch_size_fn=batch_size_fn,
         )
         check_normalization("TrainingMonitor", mean, std)
         self.steps = StepMonitor(

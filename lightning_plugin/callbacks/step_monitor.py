@@ -46,8 +46,12 @@ class StepMonitor(Callback):
     ) -> None:
         super().__init__()
         check_options(
-            type(self).__name__, log_every_n_steps=log_every_n_steps, flops_per_sample=flops_per_sample,
-            measure_flops=measure_flops, peak_flops=peak_flops, batch_size_fn=batch_size_fn,
+            type(self).__name__,
+            log_every_n_steps=log_every_n_steps,
+            flops_per_sample=flops_per_sample,
+            measure_flops=measure_flops,
+            peak_flops=peak_flops,
+            batch_size_fn=batch_size_fn,
         )
         self.log_every_n_steps = log_every_n_steps
         self.flops_per_sample = flops_per_sample

@@ -1,4 +1,5 @@
-"""The airbench yardstick runs the published ``train94`` on a JPEG zip, on the CPU, and leaves torch as it was.
+"""The airbench yardstick runs the published ``train94`` on a JPEG zip, on the CPU, and leaves torch as it
+was.
 
 A small synthetic ImageFolder zip (1,024 train images: one airbench step of batch 1,024) keeps it offline.
 """
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+
 from script_loader import load_script
 
 pytest.importorskip("airbench", reason="airbench is in the dev extra: pip install -e '.[dev]'")
@@ -51,15 +53,19 @@ def test_tensors_match_pillow_and_train_order_is_shuffled(jpeg_zip, tmp_path):
     train = torch.load(tmp_path / "train.pt")
     test = torch.load(tmp_path / "test.pt")
     assert train["images"].shape == (1026, 32, 32, 3) and train["images"].dtype == torch.uint8
-    assert test["images"].shape == (60, 32, 32, 3) and test["labels"].tolist() == sorted(test["labels"].tolist())
+    assert test["images"].shape == (60, 32, 32, 3) and test["labels"].tolist() == sorted(
+        test["labels"].tolist()
+    )
     # airbench whitens on the first 5,000 train images: they must not all be one class
     assert len(set(train["labels"][:100].tolist())) == len(CLASSES)
     assert sorted(train["labels"].tolist()) == sorted([c for c in range(3) for _ in range(342)])
     with zipfile.ZipFile(jpeg_zip) as zf:
         for i in (0, 500, 1025):  # every image is the Pillow decode of a member of its class folder
             label = CLASSES[int(train["labels"][i])]
-            decoded = [np.asarray(Image.open(io.BytesIO(zf.read(f"train/{label}/{k:04d}.jpg"))).convert("RGB"))
-                       for k in range(342)]
+            decoded = [
+                np.asarray(Image.open(io.BytesIO(zf.read(f"train/{label}/{k:04d}.jpg"))).convert("RGB"))
+                for k in range(342)
+            ]
             assert any(np.array_equal(train["images"][i].numpy(), d) for d in decoded)
 
 
@@ -68,23 +74,36 @@ def test_cpu_redirect_is_undone():
     import airbench.utils as ab_utils
     from airbench.lib_airbench94 import make_net94
 
-    before = (torch.cuda.Event, torch.Tensor.half, torch.nn.Module.half, ab_utils.CifarLoader.__init__.__defaults__)
+    before = (
+        torch.cuda.Event,
+        torch.Tensor.half,
+        torch.nn.Module.half,
+        ab_utils.CifarLoader.__init__.__defaults__,
+    )
     with bench.airbench_on_cpu():
         net = make_net94()
         assert {p.dtype for p in net.parameters()} == {torch.float32}
         assert {p.device.type for p in net.parameters()} == {"cpu"}
         assert torch.ones(2).half().dtype == torch.float32
-    assert (torch.cuda.Event, torch.Tensor.half, torch.nn.Module.half,
-            ab_utils.CifarLoader.__init__.__defaults__) == before
+    assert (
+        torch.cuda.Event,
+        torch.Tensor.half,
+        torch.nn.Module.half,
+        ab_utils.CifarLoader.__init__.__defaults__,
+    ) == before
     assert torch.ones(2).half().dtype == torch.float16
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; a GPU machine runs airbench as published")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU path; a GPU machine runs airbench as published"
+)
 def test_one_step_end_to_end(jpeg_zip, tmp_path, monkeypatch):
     bench = _load()
     monkeypatch.setattr("benchmarks._common.RESULTS_DIR", str(tmp_path / "results"))
     cwd = os.getcwd()
-    result = bench.main(["--zip", jpeg_zip, "--epochs", "1", "--cache", str(tmp_path / "cache"), "--tag", "t"])
+    result = bench.main(
+        ["--zip", jpeg_zip, "--epochs", "1", "--cache", str(tmp_path / "cache"), "--tag", "t"]
+    )
     assert os.getcwd() == cwd
     written = json.loads((tmp_path / "results" / "airbench_reference-cpu-t.json").read_text())
     assert written["test_accuracy"] == result["test_accuracy"]

@@ -17,6 +17,7 @@ import time
 import zipfile
 
 import pytest
+
 from script_loader import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,8 +63,14 @@ def test_budget_leaves_set_up_time_in_one_eight_minute_call():
 
 def test_dry_run_runs_every_step_and_hands_over_versioned_results(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--budget", "240", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=400, check=False)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--budget", "240", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=400,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "gpu_check-summary.json").read_text())
     assert summary["dry_run"] is True and VERSION_KEYS <= set(summary["machine"])
@@ -78,8 +85,14 @@ def test_dry_run_runs_every_step_and_hands_over_versioned_results(tmp_path):
             assert row["cases"] > 0, (step.name, row)
     records = _records(out / "gpu_check.jsonl")
     machines = [r for r in records if r["record"] == "machine"]
-    assert {r["bench"] for r in machines} >= {"op_correctness", "conv", "resnet_train", "loader",
-                                             "cifar10_accuracy", "strategy_overhead"}
+    assert {r["bench"] for r in machines} >= {
+        "op_correctness",
+        "conv",
+        "resnet_train",
+        "loader",
+        "cifar10_accuracy",
+        "strategy_overhead",
+    }
     for machine in machines:
         assert VERSION_KEYS <= set(machine), machine
     cases = [r for r in records if r["record"] == "case"]
@@ -98,13 +111,15 @@ def test_a_step_killed_at_its_cap_keeps_what_it_measured(tmp_path):
     """A benchmark that hangs after measuring one case is killed; its case is in the stream already."""
     module = _load()
     script = tmp_path / "slow_bench.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
         from _common import ResultStream
         ResultStream("slow").add({{"case": "first", "ms": 1.0}})
         time.sleep(60)
-    """))
+    """)
+    )
     stream = tmp_path / "stream.jsonl"
     env = {**os.environ, module.STREAM_ENV: str(stream)}
     step = module.Step("slow", [str(script)], cap_s=module.MIN_STEP_S + 2, dry_argv=None)
@@ -118,17 +133,34 @@ def test_a_step_killed_at_its_cap_keeps_what_it_measured(tmp_path):
 def test_a_step_is_skipped_when_the_deadline_leaves_too_little(tmp_path):
     module = _load()
     step = module.Step("late", ["benchmarks/op_correctness.py", "--tiny"], cap_s=60, dry_argv=None)
-    row = module.run_step(step, step.argv, time.time() + 5, str(tmp_path), str(tmp_path),
-                          {module.STREAM_ENV: str(tmp_path / "s.jsonl")})
+    row = module.run_step(
+        step,
+        step.argv,
+        time.time() + 5,
+        str(tmp_path),
+        str(tmp_path),
+        {module.STREAM_ENV: str(tmp_path / "s.jsonl")},
+    )
     assert row["status"] == "skipped" and "deadline" in row["note"]
 
 
 def test_benchmarks_start_no_case_past_their_deadline(tmp_path):
     stream = tmp_path / "stream.jsonl"
-    env = {**os.environ, "LCV_DEADLINE": str(time.time() - 1), "LCV_RESULTS_JSONL": str(stream),
-           "LCV_RESULTS_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "benchmarks/op_correctness.py", "--tiny"], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=120, check=False)
+    env = {
+        **os.environ,
+        "LCV_DEADLINE": str(time.time() - 1),
+        "LCV_RESULTS_JSONL": str(stream),
+        "LCV_RESULTS_DIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/op_correctness.py", "--tiny"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = _records(stream)
     assert [r["record"] for r in records if r["record"] != "machine"] == ["skipped"] * 12
@@ -142,8 +174,9 @@ def test_commit_is_taken_from_the_environment_in_a_copy_without_git(tmp_path):
         (copy / "_common.py").write_text(f.read())
     code = "import _common; print(_common.machine_info()['commit'])"
     env = {**os.environ, "LCV_COMMIT": "abc1234", "GIT_CEILING_DIRECTORIES": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=copy, env=env,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=copy, env=env, check=True
+    ).stdout
     assert out.strip() == "abc1234"
 
 
@@ -152,16 +185,40 @@ def test_gpu_tests_collect_where_optional_packages_are_missing(tmp_path):
     for name in ("albumentations", "jsonargparse", "airbench"):
         (tmp_path / name).mkdir()
         message = f"No module named {name!r} (hidden by the test)"
-        (tmp_path / name / "__init__.py").write_text(f"raise ModuleNotFoundError({message!r}, name={name!r})\n")
+        (tmp_path / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError({message!r}, name={name!r})\n"
+        )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                           "-m", "gpu", "tests"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "-m",
+            "gpu",
+            "tests",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "error" not in proc.stdout.splitlines()[-1].lower()
     collected = re.search(r"(\d+)/\d+ tests collected", proc.stdout)
     assert collected and int(collected.group(1)) >= 10  # the GPU tests of every kernel and the loader
-    imports = "import kernels, lightning_plugin, vision, vision.data, vision.models, vision.recipes, vision.module"
-    core = subprocess.run([sys.executable, "-c", imports], env=env, capture_output=True, text=True, check=False)
+    imports = (
+        "import kernels, lightning_plugin, vision, vision.data, vision.models, vision.recipes, vision.module"
+    )
+    core = subprocess.run(
+        [sys.executable, "-c", imports], env=env, capture_output=True, text=True, check=False
+    )
     assert core.returncode == 0, core.stderr[-2000:]
 
 
@@ -194,8 +251,15 @@ def test_conv_benchmark_fwd_bwd_computes_the_input_gradient():
         assert g_eager.abs().sum() > 0 and torch.allclose(x.grad, g_eager, atol=1e-5), "dgrad differs"
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=os.path.join(ROOT, "benchmarks"), env={**os.environ, "PYTHONPATH": ROOT}, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=os.path.join(ROOT, "benchmarks"),
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+        check=False,
+    )
     assert proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
@@ -208,14 +272,19 @@ def test_loader_pipelines_equal_the_albumentations_ones_they_are_timed_against()
 
     loader = load_script("benchmarks/loader.py")
     images = torch.randint(0, 256, (6, 3, 40, 36), dtype=torch.uint8)
-    for native, compose in ((loader.ours_cifar(), loader.alb_cifar()), (loader.ours_imagenet(), loader.alb_imagenet())):
+    for native, compose in (
+        (loader.ours_cifar(), loader.alb_cifar()),
+        (loader.ours_imagenet(), loader.alb_imagenet()),
+    ):
         a, _ = native(images, generator=torch.Generator().manual_seed(3))
         b, _ = from_albumentations(compose)(images, generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_without_a_gpu_it_says_so_and_measures_nothing():
-    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
     if proc.returncode == 2:
         assert "no CUDA device" in proc.stdout
     else:  # a GPU machine runs the real thing; nothing to assert here

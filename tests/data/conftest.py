@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-SHARED_ZIP = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
-                                          "cifar10-jpeg.zip"))
+SHARED_ZIP = os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "cifar10-jpeg.zip")
+)
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +46,7 @@ def _photo_patches(n: int, size: int = 32) -> torch.Tensor:
         row, col = divmod(k // len(photos), 8)
         top = 20 + row * (photo.shape[0] - 40 - size) // 3
         left = 20 + col * (photo.shape[1] - 40 - size) // 7
-        patches.append(photo[top: top + size, left: left + size])
+        patches.append(photo[top : top + size, left : left + size])
     return torch.from_numpy(np.ascontiguousarray(np.stack(patches))).permute(0, 3, 1, 2).contiguous()
 
 

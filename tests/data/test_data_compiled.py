@@ -10,16 +10,41 @@ from torch._dynamo.utils import counters
 
 import vision.data.compiled as compiled_module
 from vision.data import (
-    CoarseDropout, ColorJitter, Erasing, HorizontalFlip, MixupCutmix, Normalize, PadIfNeeded, Pipeline, RaggedBatch,
-    RandomCrop, RandomResizedCrop, ResizeCenterCrop, ToGray, TrivialAugmentWide, VerticalFlip,
+    CoarseDropout,
+    ColorJitter,
+    Erasing,
+    HorizontalFlip,
+    MixupCutmix,
+    Normalize,
+    PadIfNeeded,
+    Pipeline,
+    RaggedBatch,
+    RandomCrop,
+    RandomResizedCrop,
+    ResizeCenterCrop,
+    ToGray,
+    TrivialAugmentWide,
+    VerticalFlip,
 )
 
 #: Integer ops only: crops with every border mode, flips, grayscale on uint8, holes with whole-number fills.
-INTEGER_OPS = [PadIfNeeded(36, 34, "symmetric"), RandomCrop(30, padding=2, padding_mode="reflect"), HorizontalFlip(),
-               VerticalFlip(), ToGray(p=0.5), CoarseDropout((1, 3), (2, 6), (2, 6), fill=17, p=0.7), Erasing(p=0.5)]
+INTEGER_OPS = [
+    PadIfNeeded(36, 34, "symmetric"),
+    RandomCrop(30, padding=2, padding_mode="reflect"),
+    HorizontalFlip(),
+    VerticalFlip(),
+    ToGray(p=0.5),
+    CoarseDropout((1, 3), (2, 6), (2, 6), fill=17, p=0.7),
+    Erasing(p=0.5),
+]
 #: Float arithmetic: resampling, colour jitter (every order, hue), normalize, mixing.
-FLOAT_OPS = [RandomResizedCrop(20, scale=(0.2, 1.0)), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8),
-             Normalize(), MixupCutmix(10, mode="elem")]
+FLOAT_OPS = [
+    RandomResizedCrop(20, scale=(0.2, 1.0)),
+    HorizontalFlip(),
+    ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8),
+    Normalize(),
+    MixupCutmix(10, mode="elem"),
+]
 #: Compiled minus eager, in normalized units (a 1/255 level is ~0.017): float rounding of the reordered math.
 FLOAT_TOLERANCE = 1e-4
 
@@ -45,8 +70,9 @@ def test_integer_ops_compiled_give_the_eager_pixels_bitwise(real_images):
 
 def test_float_ops_compiled_match_eager_within_rounding(real_images):
     targets = torch.arange(16) % 10
-    (eager, eager_t), (compiled, compiled_t) = _run(FLOAT_OPS, real_images[:16], seed=2, targets=targets,
-                                                     dtype=torch.float32, channels_last=False)
+    (eager, eager_t), (compiled, compiled_t) = _run(
+        FLOAT_OPS, real_images[:16], seed=2, targets=targets, dtype=torch.float32, channels_last=False
+    )
     assert compiled.is_contiguous() and compiled.shape == (16, 3, 20, 20)
     torch.testing.assert_close(compiled, eager, atol=FLOAT_TOLERANCE, rtol=0)
     torch.testing.assert_close(compiled_t, eager_t, atol=1e-6, rtol=0)
@@ -60,7 +86,9 @@ def test_one_compile_serves_every_batch_size_and_both_grad_modes(real_images):
         g = torch.Generator().manual_seed(n)
         params = pipe.sample(n, 32, 32, g)
         out, _ = pipe(real_images[:n], params=params)
-        torch.testing.assert_close(out, reference(real_images[:n], params=params)[0], atol=FLOAT_TOLERANCE, rtol=0)
+        torch.testing.assert_close(
+            out, reference(real_images[:n], params=params)[0], atol=FLOAT_TOLERANCE, rtol=0
+        )
     with torch.inference_mode():  # Lightning's evaluation fetches batches in inference mode
         out, _ = pipe(real_images[:4])
     assert out.shape == (4, 3, 20, 20)
@@ -73,7 +101,9 @@ def test_ragged_batches_of_any_canvas_size_share_one_compile():
     reference = Pipeline([ResizeCenterCrop(12), Normalize()], compile=False)
     before = _graphs()
     for sizes in ([(20, 30), (33, 17)], [(16, 16), (40, 24), (18, 50)], [(21, 23)] * 3):
-        batch = RaggedBatch.from_images([torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in sizes])
+        batch = RaggedBatch.from_images(
+            [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in sizes]
+        )
         torch.testing.assert_close(pipe(batch)[0], reference(batch)[0], atol=FLOAT_TOLERANCE, rtol=0)
     assert _graphs() - before == 1
 

@@ -1,6 +1,6 @@
 """The CPU fast paths of the pipeline: the uint8 resize of whole-pixel boxes (against OpenCV, what
-albumentations runs, and against our float resampler, the compiled/GPU path), compiled-vs-eager parity with it,
-and the recycled output buffers (a batch the caller holds is never overwritten)."""
+albumentations runs, and against our float resampler, the compiled/GPU path), compiled-vs-eager parity with
+it, and the recycled output buffers (a batch the caller holds is never overwritten)."""
 
 from __future__ import annotations
 
@@ -26,24 +26,35 @@ def _ragged(real_images: torch.Tensor, sizes: list[tuple[int, int]]) -> RaggedBa
 @pytest.mark.parametrize("n, out_size", [(1, (23, 37)), (5, (64, 64)), (3, (7, 5))])
 def test_uint8_box_resize_matches_opencv_and_the_float_resampler(real_images, n, out_size):
     batch = _ragged(real_images, [(45, 61), (33, 33), (70, 41), (39, 52), (64, 47)][:n])
-    params = RandomResizedCrop(out_size, scale=(0.1, 1.0)).sample(n, batch.heights, batch.widths,
-                                                                  torch.Generator().manual_seed(n))
+    params = RandomResizedCrop(out_size, scale=(0.1, 1.0)).sample(
+        n, batch.heights, batch.widths, torch.Generator().manual_seed(n)
+    )
     flip = torch.arange(n) % 2 == 0
-    ours = resize_boxes(batch.canvas, params["top"], params["left"], params["height"], params["width"], out_size,
-                        flip)
+    ours = resize_boxes(
+        batch.canvas, params["top"], params["left"], params["height"], params["width"], out_size, flip
+    )
     assert ours.dtype == torch.uint8 and ours.shape == (n, 3, *out_size)
-    taps = resample_tables(params["top"], params["left"], params["height"], params["width"], out_size,
-                           tuple(batch.canvas.shape[-2:]), flip)
+    taps = resample_tables(
+        params["top"],
+        params["left"],
+        params["height"],
+        params["width"],
+        out_size,
+        tuple(batch.canvas.shape[-2:]),
+        flip,
+    )
     exact = gather_resample(batch.canvas, taps)  # float32, no rounding: the compiled and CUDA path
     # ATen's uint8 kernel is separable and rounds to an integer after each pass: at most 0.5 + 0.5 levels.
     assert (ours.float() - exact).abs().max() <= 1.0
     for i in range(n):
-        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
-        crop = batch.canvas[i, :, t: t + h, l: l + w].permute(1, 2, 0).contiguous().numpy()
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        crop = batch.canvas[i, :, y0 : y0 + h, x0 : x0 + w].permute(1, 2, 0).contiguous().numpy()
         ref = cv2.resize(crop, out_size[::-1], interpolation=cv2.INTER_LINEAR)
         ref = ref[:, ::-1] if flip[i] else ref
         diff = np.abs(ours[i].permute(1, 2, 0).numpy().astype(int) - ref.astype(int))
-        assert diff.max() <= 1, f"sample {i}: {diff.max()} levels from cv2.resize (both round fixed-point sums)"
+        assert diff.max() <= 1, (
+            f"sample {i}: {diff.max()} levels from cv2.resize (both round fixed-point sums)"
+        )
 
 
 def test_uint8_box_resize_rejects_what_it_cannot_do():
@@ -80,16 +91,20 @@ def test_output_buffers_are_reused_only_once_the_caller_drops_the_batch(real_ima
     view_before = view.clone()
     del b
     c = run(2)
-    assert torch.equal(a, a_before) and torch.equal(view, view_before), "a batch the caller holds was overwritten"
+    assert torch.equal(a, a_before) and torch.equal(view, view_before), (
+        "a batch the caller holds was overwritten"
+    )
     assert c.data_ptr() != a.data_ptr()
     del a, c, view
     d = run(3)
-    torch.testing.assert_close(d, Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(3))[0])
+    torch.testing.assert_close(
+        d, Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(3))[0]
+    )
 
 
 def test_a_dropped_batch_memory_is_reused_without_page_faults(real_images):
-    """A fresh 38 MB output comes from mmap and faults in every page (a third of the augmentation's CPU time on
-    224 px images); reusing a dropped batch's buffer faults in none."""
+    """A fresh 38 MB output comes from mmap and faults in every page (a third of the augmentation's CPU time
+    on 224 px images); reusing a dropped batch's buffer faults in none."""
     resource = pytest.importorskip("resource")
     pipe = Pipeline([RandomResizedCrop(224), Normalize()], compile=False)
     x = real_images[:64]

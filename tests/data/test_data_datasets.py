@@ -122,7 +122,7 @@ def test_digits_split_is_stratified_deterministic_and_disjoint():
     assert x.shape == (32, 3, 32, 32) and dm.mean == (0.5,) * 3
 
 
-# ----------------------------------------------------------------------------------------- unreadable, zips, progress
+# --------------------------------------------------------------------------------- unreadable, zips, progress
 def test_unreadable_file_is_named_or_skipped(tmp_path):
     _write_folder(tmp_path, [(12, 12)])
     (tmp_path / "train" / "cat" / "gone.jpg").symlink_to(tmp_path / "does-not-exist.jpg")  # open() fails
@@ -177,13 +177,22 @@ def test_encoded_loader_decodes_each_batch_like_decoding_up_front(tmp_path):
     root = _encoded_folder(tmp_path)
     enc = list_image_folder(root, "train")
     assert len(enc) == 8 and enc.class_names == ["cat", "dog"]
-    loader = DeviceLoader(enc, enc.targets, 3, Pipeline([Resize(16)], channels_last=False), shuffle=True,
-                          seed=0, decode_threads=2)
+    loader = DeviceLoader(
+        enc,
+        enc.targets,
+        3,
+        Pipeline([Resize(16)], channels_last=False),
+        shuffle=True,
+        seed=0,
+        decode_threads=2,
+    )
     seen = []
     for b, (x, y) in zip(loader.epoch_batches(0), loader):
         for i, img in zip(b.tolist(), x):
             ref = tio.decode_image(enc.sources[i], mode=tio.ImageReadMode.RGB)
-            ref = Resize(16).apply(ref[None], Resize(16).sample(1, ref.shape[1], ref.shape[2], None))[0].float()
+            ref = (
+                Resize(16).apply(ref[None], Resize(16).sample(1, ref.shape[1], ref.shape[2], None))[0].float()
+            )
             torch.testing.assert_close(img, ref, atol=1e-3, rtol=0)  # canvas size changes float rounding
         assert torch.equal(y, enc.targets[b])
         seen += b.tolist()
@@ -208,8 +217,15 @@ def test_encoded_loader_needs_a_resizing_first_op_and_handles_corrupt_files(tmp_
 
 
 def test_image_folder_datamodule_encoded_storage_from_zip(cifar_zip):
-    dm = ImageFolderDataModule(cifar_zip, image_size=24, batch_size=10, storage="encoded", val_split="test",
-                               limit_per_class=2, num_workers=2)
+    dm = ImageFolderDataModule(
+        cifar_zip,
+        image_size=24,
+        batch_size=10,
+        storage="encoded",
+        val_split="test",
+        limit_per_class=2,
+        num_workers=2,
+    )
     assert dm.num_classes == 10
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
@@ -221,12 +237,15 @@ def test_image_folder_datamodule_encoded_storage_from_zip(cifar_zip):
 
 
 def test_cifar_from_torchvision_is_stored_as_uint8_nchw(monkeypatch, tmp_path):
-    """The torchvision path (download=True for users) without downloading: a stand-in with CIFAR10's fields."""
+    """The torchvision path (download=True for users) without downloading: a stand-in with CIFAR10's
+    fields."""
     import torchvision
 
     rng = np.random.default_rng(0)
-    arrays = {True: rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8),  # NHWC, like torchvision's CIFAR10
-              False: rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8)}
+    arrays = {
+        True: rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8),  # NHWC, like torchvision's CIFAR10
+        False: rng.integers(0, 256, (20, 32, 32, 3), dtype=np.uint8),
+    }
 
     class FakeCIFAR10:
         classes = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -252,8 +271,9 @@ def test_datamodule_shards_by_the_trainer_rank():
     seen = []
     for rank in range(3):
         dm = DigitsDataModule(batch_size=16, image_size=8)
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), global_rank=rank,
-                                     world_size=3)
+        dm.trainer = SimpleNamespace(
+            strategy=SimpleNamespace(root_device=torch.device("cpu")), global_rank=rank, world_size=3
+        )
         loader = dm.val_dataloader()
         assert (loader.rank, loader.world_size, loader.uneven) == (rank, 3, "exact")
         seen.append(torch.cat([b[0][:, 0].flatten(1).sum(1) for b in loader]))
@@ -300,8 +320,11 @@ def test_datamodule_shards_are_disjoint_and_cover_every_sample(world_size):
         stored = dm._splits[name].images
         shards = []
         for rank in range(world_size):
-            dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
-                                         global_rank=rank, world_size=world_size)
+            dm.trainer = SimpleNamespace(
+                strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                global_rank=rank,
+                world_size=world_size,
+            )
             loader = loaders[name]()
             ids = []
             for x, y in loader:

@@ -1,4 +1,5 @@
-"""DeviceLoader: determinism, per-sample independence, sharding, state round trip, Lightning resume, errors."""
+"""DeviceLoader: determinism, per-sample independence, sharding, state round trip, Lightning resume,
+errors."""
 
 from __future__ import annotations
 
@@ -53,8 +54,13 @@ def test_epochs_reshuffle_and_cover_every_sample_once():
 def test_augmentation_params_independent_per_sample():
     x = torch.zeros(256, 3, 8, 8, dtype=torch.uint8)
     x[:, :, :, :4] = 255  # left half bright: flips are visible
-    loader = DeviceLoader(x, torch.zeros(256, dtype=torch.long), 256,
-                          Pipeline([HorizontalFlip(), Normalize((0.0,) * 3, (1 / 255,) * 3)]), seed=0)
+    loader = DeviceLoader(
+        x,
+        torch.zeros(256, dtype=torch.long),
+        256,
+        Pipeline([HorizontalFlip(), Normalize((0.0,) * 3, (1 / 255,) * 3)]),
+        seed=0,
+    )
     imgs, _ = next(iter(loader))
     flipped = imgs[:, 0, 0, 0] == 0
     assert 0.35 < flipped.float().mean() < 0.65  # not one decision for the whole batch
@@ -74,8 +80,17 @@ def test_ddp_shards_disjoint_and_cover(n, world):
         assert torch.equal(torch.sort(allids).values, torch.arange(n))
     else:
         assert allids.numel() - n == world - n % world  # only the pad repeats
-    dropped = [torch.cat([_ids(b) for b in DeviceLoader(x, y, 5, _ident_pipeline(), seed=1, rank=r,
-                                                        world_size=world, uneven="drop")]) for r in range(world)]
+    dropped = [
+        torch.cat(
+            [
+                _ids(b)
+                for b in DeviceLoader(
+                    x, y, 5, _ident_pipeline(), seed=1, rank=r, world_size=world, uneven="drop"
+                )
+            ]
+        )
+        for r in range(world)
+    ]
     d = torch.cat(dropped)
     assert d.unique().numel() == d.numel() == (n // world) * world  # at most once
 
@@ -154,11 +169,21 @@ class _SaveAt(pl.Callback):
 
 
 def test_trainer_resume_mid_epoch_sees_same_remaining_batches(tmp_path):
-    kw = dict(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=1)
+    kw = dict(
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+    )
     ckpt = str(tmp_path / "mid.ckpt")
     full: list = []
-    pl.Trainer(callbacks=[_SaveAt(ckpt, 1, 3)], **kw).fit(_Tiny(full), DigitsDataModule(batch_size=128, image_size=8))
+    pl.Trainer(callbacks=[_SaveAt(ckpt, 1, 3)], **kw).fit(
+        _Tiny(full), DigitsDataModule(batch_size=128, image_size=8)
+    )
     resumed: list = []
     pl.Trainer(**kw).fit(_Tiny(resumed), DigitsDataModule(batch_size=128, image_size=8), ckpt_path=ckpt)
     expected = [r for r in full if (r[0], r[1]) > (1, 3)]
@@ -168,18 +193,31 @@ def test_trainer_resume_mid_epoch_sees_same_remaining_batches(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- exact DDP sharding
-@pytest.mark.parametrize("n,world,bs,drop_last", [(103, 4, 5, False), (100, 4, 5, False), (101, 4, 25, False),
-                                                  (9, 4, 2, False), (4, 4, 3, False), (103, 4, 5, True),
-                                                  (50, 3, 7, False)])
+@pytest.mark.parametrize(
+    "n,world,bs,drop_last",
+    [
+        (103, 4, 5, False),
+        (100, 4, 5, False),
+        (101, 4, 25, False),
+        (9, 4, 2, False),
+        (4, 4, 3, False),
+        (103, 4, 5, True),
+        (50, 3, 7, False),
+    ],
+)
 def test_exact_sharding_sees_every_sample_exactly_once_with_equal_steps(n, world, bs, drop_last):
     x, y = _data(n)
     per_rank = []
     for rank in range(world):
-        loader = DeviceLoader(x, y, bs, _ident_pipeline(), seed=2, rank=rank, world_size=world, drop_last=drop_last)
+        loader = DeviceLoader(
+            x, y, bs, _ident_pipeline(), seed=2, rank=rank, world_size=world, drop_last=drop_last
+        )
         assert loader.uneven == "exact"  # the default
         per_rank.append([_ids(b) for b in loader])
     steps = {len(batches) for batches in per_rank}
-    assert steps == {len(DeviceLoader(x, y, bs, _ident_pipeline(), rank=0, world_size=world, drop_last=drop_last))}
+    assert steps == {
+        len(DeviceLoader(x, y, bs, _ident_pipeline(), rank=0, world_size=world, drop_last=drop_last))
+    }
     assert len(steps) == 1  # the same number of steps on every rank: DDP cannot hang
     ids = torch.cat([b for batches in per_rank for b in batches])
     assert ids.unique().numel() == ids.numel()  # disjoint: nothing twice
@@ -268,21 +306,33 @@ def test_validation_after_the_sanity_check_sees_every_sample():
     """Regression: the sanity check's 2 batches used to shift the first real validation pass."""
     dm = DigitsDataModule(batch_size=32, image_size=8)
     model = _ValModule()
-    pl.Trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=2, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(model, dm)
+    pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        num_sanity_val_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    ).fit(model, dm)
     real = torch.cat([s for sanity, s in model.seen if not sanity])
     expected = torch.cat([b[0].double().sum(dim=(1, 2, 3)) for b in dm.val_dataloader()])
     assert len([1 for sanity, _ in model.seen if sanity]) == 2
     assert torch.equal(real, expected)
 
 
-# ----------------------------------------------------------------------------------------- CUDA (skipped on CPU)
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+# -------------------------------------------------------------------------------------- CUDA (skipped on CPU)
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine"
+)
 
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("resident", [True, False], ids=["on-device store", "pinned host store + side stream"])
+@pytest.mark.parametrize(
+    "resident", [True, False], ids=["on-device store", "pinned host store + side stream"]
+)
 def test_cuda_loader_gives_the_cpu_batches(resident):
     x, y = _data()
     cpu = list(DeviceLoader(x, y, 16, _aug_pipeline(), seed=6))
@@ -308,7 +358,9 @@ def test_cuda_encoded_loader_decodes_jpegs_with_nvjpeg(tmp_path):
         (tmp_path / "train" / c).mkdir(parents=True)
         for i, (h, w) in enumerate([(40, 52), (64, 48), (30, 30)]):
             img = (rng.random((h, w, 3)) * 60 + np.linspace(0, 180, w)[None, :, None]).astype(np.uint8)
-            Image.fromarray(img).save(tmp_path / "train" / c / f"{i}.{'png' if i == 2 else 'jpg'}", quality=95)
+            Image.fromarray(img).save(
+                tmp_path / "train" / c / f"{i}.{'png' if i == 2 else 'jpg'}", quality=95
+            )
     enc = list_image_folder(str(tmp_path), "train")
     pipe = Pipeline([Resize(24)], channels_last=False)
     cpu = list(DeviceLoader(enc, enc.targets, 4, pipe, seed=0))

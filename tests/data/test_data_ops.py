@@ -27,7 +27,13 @@ from vision.data import (
     ToGray,
     from_albumentations,
 )
-from vision.data.functional.color import adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation, color_jitter
+from vision.data.functional.color import (
+    adjust_brightness,
+    adjust_contrast,
+    adjust_hue,
+    adjust_saturation,
+    color_jitter,
+)
 from vision.data.functional.geometry import crop_with_padding, random_resized_crop_params
 
 
@@ -40,8 +46,15 @@ def chw(a: np.ndarray) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ geometry
-@pytest.mark.parametrize("mode,cv_mode", [("constant", cv2.BORDER_CONSTANT), ("reflect", cv2.BORDER_REFLECT_101),
-                                          ("symmetric", cv2.BORDER_REFLECT), ("edge", cv2.BORDER_REPLICATE)])
+@pytest.mark.parametrize(
+    "mode,cv_mode",
+    [
+        ("constant", cv2.BORDER_CONSTANT),
+        ("reflect", cv2.BORDER_REFLECT_101),
+        ("symmetric", cv2.BORDER_REFLECT),
+        ("edge", cv2.BORDER_REPLICATE),
+    ],
+)
 def test_pad_crop_matches_albumentations_pixel_for_pixel(real_images, mode, cv_mode):
     x = real_images[:16]
     g = torch.Generator().manual_seed(1)
@@ -52,8 +65,8 @@ def test_pad_crop_matches_albumentations_pixel_for_pixel(real_images, mode, cv_m
     crop = A.RandomCrop(32, 32)
     for i in range(16):
         padded = pad.apply(hwc(x[i]), **pad.get_params_dependent_on_data({"shape": (32, 32)}, {}))
-        t, l = int(params["top"][i]), int(params["left"][i])
-        ref = crop.apply(padded, crop_coords=(l, t, l + 32, t + 32))
+        y0, x0 = int(params["top"][i]), int(params["left"][i])
+        ref = crop.apply(padded, crop_coords=(x0, y0, x0 + 32, y0 + 32))
         assert np.array_equal(hwc(ours[i]), ref), f"sample {i} differs"
 
 
@@ -64,18 +77,31 @@ def test_fused_gather_and_flip_equal_unfused():
     flip = torch.rand(6) < 0.5
     for mode in ("constant", "reflect", "symmetric", "edge"):
         fused = crop_with_padding(x, top, left, (8, 8), (2, 2, 2, 2), mode, 0.0, flip, index=index)
-        ref = torch.stack([
-            torch.nn.functional.pad(x[j:j + 1].float(), (2, 2, 2, 2),
-                                    mode={"constant": "constant", "reflect": "reflect", "edge": "replicate",
-                                          "symmetric": "constant"}[mode])[0, :, t:t + 8, l:l + 8]
-            for j, t, l in zip(index.tolist(), top.tolist(), left.tolist())
-        ])
+        ref = torch.stack(
+            [
+                torch.nn.functional.pad(
+                    x[j : j + 1].float(),
+                    (2, 2, 2, 2),
+                    mode={
+                        "constant": "constant",
+                        "reflect": "reflect",
+                        "edge": "replicate",
+                        "symmetric": "constant",
+                    }[mode],
+                )[0, :, y0 : y0 + 8, x0 : x0 + 8]
+                for j, y0, x0 in zip(index.tolist(), top.tolist(), left.tolist())
+            ]
+        )
         ref = torch.where(flip.view(-1, 1, 1, 1), ref.flip(-1), ref)
         if mode == "symmetric":  # torch has no symmetric mode: check against numpy's
-            ref = torch.stack([
-                torch.from_numpy(np.pad(x[j].numpy(), ((0, 0), (2, 2), (2, 2)), mode="symmetric"))[:, t:t + 8, l:l + 8]
-                for j, t, l in zip(index.tolist(), top.tolist(), left.tolist())
-            ]).float()
+            ref = torch.stack(
+                [
+                    torch.from_numpy(np.pad(x[j].numpy(), ((0, 0), (2, 2), (2, 2)), mode="symmetric"))[
+                        :, y0 : y0 + 8, x0 : x0 + 8
+                    ]
+                    for j, y0, x0 in zip(index.tolist(), top.tolist(), left.tolist())
+                ]
+            ).float()
             ref = torch.where(flip.view(-1, 1, 1, 1), ref.flip(-1), ref)
         assert torch.equal(fused.float(), ref), mode
 
@@ -91,7 +117,9 @@ def test_random_crop_offsets_cover_all_positions_uniformly():
 def test_translate_keeps_size_and_shifts_content():
     x = torch.zeros(4, 1, 9, 9, dtype=torch.uint8)
     x[:, :, 4, 4] = 255
-    out, _ = Pipeline([RandomTranslate(2)], channels_last=False, compile=False)(x, generator=torch.Generator().manual_seed(3))
+    out, _ = Pipeline([RandomTranslate(2)], channels_last=False, compile=False)(
+        x, generator=torch.Generator().manual_seed(3)
+    )
     assert out.shape == (4, 1, 9, 9)
     for i in range(4):
         ys, xs = torch.nonzero(out[i, 0]).unbind(1)
@@ -103,7 +131,7 @@ def test_flip_is_per_sample_with_rate_p():
     op = HorizontalFlip(p=0.3)
     params = op.sample(2000, 1, 4, torch.Generator().manual_seed(0))
     out = op.apply(x, params)
-    flipped = (out[:, 0, 0, 0] != x[:, 0, 0, 0])
+    flipped = out[:, 0, 0, 0] != x[:, 0, 0, 0]
     assert torch.equal(flipped, params["flip"])
     assert torch.equal(out[flipped], x[flipped].flip(-1)) and torch.equal(out[~flipped], x[~flipped])
     assert abs(flipped.float().mean().item() - 0.3) < 0.04
@@ -119,12 +147,14 @@ def _albumentations_rrc_boxes(n, h, w, scale, ratio, seed):
     return np.array(boxes, dtype=np.float64)
 
 
-@pytest.mark.parametrize("hw,scale,ratio", [((32, 32), (0.08, 1.0), (3 / 4, 4 / 3)),
-                                            ((60, 30), (0.5, 1.0), (1.0, 3.0))])
+@pytest.mark.parametrize(
+    "hw,scale,ratio", [((32, 32), (0.08, 1.0), (3 / 4, 4 / 3)), ((60, 30), (0.5, 1.0), (1.0, 3.0))]
+)
 def test_rrc_params_match_albumentations_in_distribution(hw, scale, ratio):
     n = 6000
-    ours = random_resized_crop_params(torch.full((n,), hw[0]), torch.full((n,), hw[1]), scale, ratio,
-                                      torch.Generator().manual_seed(0))
+    ours = random_resized_crop_params(
+        torch.full((n,), hw[0]), torch.full((n,), hw[1]), scale, ratio, torch.Generator().manual_seed(0)
+    )
     ref = _albumentations_rrc_boxes(n, *hw, scale, ratio, seed=0)
     oh, ow = ours["height"].double().numpy(), ours["width"].double().numpy()
     assert (oh >= 1).all() and (oh <= hw[0]).all() and (ow <= hw[1]).all()
@@ -144,8 +174,9 @@ def test_rrc_params_match_albumentations_in_distribution(hw, scale, ratio):
 
 def test_rrc_fallback_is_ratio_clamped_center_crop():
     # scale so large no draw fits a very wide image -> fallback
-    p = random_resized_crop_params(torch.tensor([10]), torch.tensor([100]), (1.0, 1.0), (0.5, 2.0),
-                                   torch.Generator().manual_seed(0))
+    p = random_resized_crop_params(
+        torch.tensor([10]), torch.tensor([100]), (1.0, 1.0), (0.5, 2.0), torch.Generator().manual_seed(0)
+    )
     assert (int(p["height"]), int(p["width"])) == (10, 20)
     assert (int(p["top"]), int(p["left"])) == (0, 40)
 
@@ -159,10 +190,12 @@ def test_resized_crop_matches_albumentations_given_same_box(real_images, out_siz
     ours = op.apply(x, params)
     ref_t = A.RandomResizedCrop(out_size, scale=(0.2, 1.0))
     for i in range(8):
-        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
-        ref = ref_t.apply(hwc(x[i]), crop_coords=(l, t, l + w, t + h))
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        ref = ref_t.apply(hwc(x[i]), crop_coords=(x0, y0, x0 + w, y0 + h))
         diff = (ours[i] - chw(ref)).abs()
-        assert diff.max() <= 1.0 + 1e-4, f"sample {i}: max diff {diff.max()} (cv2 fixed-point rounding is <= 1)"
+        assert diff.max() <= 1.0 + 1e-4, (
+            f"sample {i}: max diff {diff.max()} (cv2 fixed-point rounding is <= 1)"
+        )
 
 
 def test_resize_ragged_batch_matches_per_image_resize(compiled):
@@ -176,7 +209,9 @@ def test_resize_ragged_batch_matches_per_image_resize(compiled):
 
 def test_resize_center_crop_accepts_different_sizes_and_centres():
     imgs = [torch.full((3, h, w), 100, dtype=torch.uint8) for h, w in [(40, 80), (64, 32)]]
-    out, _ = Pipeline([ResizeCenterCrop(16, 20)], channels_last=False, compile=False)(RaggedBatch.from_images(imgs))
+    out, _ = Pipeline([ResizeCenterCrop(16, 20)], channels_last=False, compile=False)(
+        RaggedBatch.from_images(imgs)
+    )
     assert out.shape == (2, 3, 16, 16) and torch.allclose(out, torch.full_like(out, 100.0))
 
 
@@ -199,9 +234,11 @@ def test_brightness_contrast_saturation_match_albumentations_float(real_images, 
 
     x = real_images[:6].float()
     f = torch.full((6,), factor)
-    for ours_fn, ref_fn in ((adjust_brightness, FP.adjust_brightness_torchvision),
-                            (adjust_contrast, FP.adjust_contrast_torchvision),
-                            (adjust_saturation, FP.adjust_saturation_torchvision)):
+    for ours_fn, ref_fn in (
+        (adjust_brightness, FP.adjust_brightness_torchvision),
+        (adjust_contrast, FP.adjust_contrast_torchvision),
+        (adjust_saturation, FP.adjust_saturation_torchvision),
+    ):
         ours = ours_fn(x, f) / 255.0
         for i in range(6):
             ref = np.clip(ref_fn(_float01(real_images[i]), factor), 0, 1)
@@ -227,12 +264,15 @@ def test_color_jitter_with_albumentations_params_matches_on_uint8(real_images):
     for i in range(16):
         p = t.get_params()
         ref = t.apply(hwc(x[i]), **p)
-        ours = color_jitter(x[i:i + 1], *(torch.tensor([p[k]]) for k in ("brightness", "contrast", "saturation", "hue")),
-                            torch.tensor([p["order"]]))
+        ours = color_jitter(
+            x[i : i + 1],
+            *(torch.tensor([p[k]]) for k in ("brightness", "contrast", "saturation", "hue")),
+            torch.tensor([p["order"]]),
+        )
         diff = np.abs(hwc(ours[0]) - ref.astype(np.float32))
-        # albumentations truncates to uint8 after brightness/contrast (up to 1 level down per step, then scaled
-        # by later factors) and rounds after saturation; we keep the exact float value between steps. Worst case
-        # with factors <= 1.4: 1 level x 1.4 x 1.4 + 1 level x 1.4 + 0.5 rounding = 3.86 levels.
+        # albumentations truncates to uint8 after brightness/contrast (up to 1 level down per step, then
+        # scaled by later factors) and rounds after saturation; we keep the exact float value between steps.
+        # Worst case with factors <= 1.4: 1 level x 1.4 x 1.4 + 1 level x 1.4 + 0.5 rounding = 3.86 levels.
         assert diff.max() <= 3.9 and diff.mean() < 1.5, (i, diff.max(), diff.mean())
 
 
@@ -274,7 +314,7 @@ def test_normalize_matches_albumentations(real_images, layout):
         assert np.abs(hwc(out[i]) - ref).max() < 1e-5
 
 
-# ------------------------------------------------------------------------------------------------ erasing / mix
+# ---------------------------------------------------------------------------------------------- erasing / mix
 def test_coarse_dropout_matches_albumentations_given_holes(real_images):
     x = real_images[:8]
     op = CoarseDropout((1, 3), (0.1, 0.3), (0.1, 0.3), fill=0, p=1.0)
@@ -291,7 +331,7 @@ def test_coarse_dropout_matches_albumentations_given_holes(real_images):
 def test_coarse_dropout_hole_count_and_size_distribution_matches_albumentations():
     op = CoarseDropout((1, 3), (4, 8), (0.1, 0.3), p=1.0)
     h = op.sample(3000, 32, 32, torch.Generator().manual_seed(0))["holes"]
-    active = (h[..., 2] > h[..., 0])
+    active = h[..., 2] > h[..., 0]
     ref_t = A.CoarseDropout((1, 3), (4, 8), (0.1, 0.3), p=1.0)
     ref_t.set_random_seed(0)
     ref = [ref_t.get_params_dependent_on_data({"shape": (32, 32)}, {})["holes"] for _ in range(3000)]
@@ -346,7 +386,7 @@ def test_mixup_cutmix_matches_reference_loop(mode):
         assert torch.equal(params["lam"], params["lam"].flip(0))
     # cutmix lam equals the fraction of the own image kept
     c = params["cutmix"]
-    area = ((params["boxes"][:, 2] - params["boxes"][:, 0]) * (params["boxes"][:, 3] - params["boxes"][:, 1]))
+    area = (params["boxes"][:, 2] - params["boxes"][:, 0]) * (params["boxes"][:, 3] - params["boxes"][:, 1])
     assert torch.allclose(params["lam"][c], 1 - area[c].float() / 256)
 
 
@@ -357,8 +397,11 @@ def test_mixup_pair_mode_rejects_odd_batch():
 
 # ------------------------------------------------------------------------------------------------ pipeline
 def test_pipeline_output_dtype_layout_and_determinism(real_images, compiled):
-    p = Pipeline([RandomCrop(32, 4, "reflect"), HorizontalFlip(), ColorJitter(p=1.0), Normalize()],
-                 dtype=torch.bfloat16, compile=compiled)
+    p = Pipeline(
+        [RandomCrop(32, 4, "reflect"), HorizontalFlip(), ColorJitter(p=1.0), Normalize()],
+        dtype=torch.bfloat16,
+        compile=compiled,
+    )
     a, _ = p(real_images, generator=torch.Generator().manual_seed(9))
     b, _ = p(real_images, generator=torch.Generator().manual_seed(9))
     c, _ = p(real_images, generator=torch.Generator().manual_seed(10))
@@ -375,7 +418,11 @@ def test_pipeline_bad_input_errors():
     with pytest.raises(TypeError, match="not a vision.data BatchOp"):
         Pipeline([lambda x: x])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="resizing first op"):
-        p(RaggedBatch.from_images([torch.zeros(3, 4, 4, dtype=torch.uint8), torch.zeros(3, 5, 4, dtype=torch.uint8)]))
+        p(
+            RaggedBatch.from_images(
+                [torch.zeros(3, 4, 4, dtype=torch.uint8), torch.zeros(3, 5, 4, dtype=torch.uint8)]
+            )
+        )
     with pytest.raises(ValueError, match="larger than"):
         Pipeline([RandomCrop(40)], compile=False)(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
     with pytest.raises(ValueError, match="probability"):
@@ -384,8 +431,14 @@ def test_pipeline_bad_input_errors():
 
 # ------------------------------------------------------------------------------------------------ bridge
 def test_from_albumentations_translates_and_reproduces_deterministic_pipeline(real_images, compiled):
-    compose = A.Compose([A.Pad(4, border_mode=cv2.BORDER_REFLECT_101), A.CenterCrop(32, 32),
-                         A.ToGray(p=1.0), A.Normalize(mean=(0.5,) * 3, std=(0.25,) * 3)])
+    compose = A.Compose(
+        [
+            A.Pad(4, border_mode=cv2.BORDER_REFLECT_101),
+            A.CenterCrop(32, 32),
+            A.ToGray(p=1.0),
+            A.Normalize(mean=(0.5,) * 3, std=(0.25,) * 3),
+        ]
+    )
     pipe = from_albumentations(compose, compile=compiled)
     out, _ = pipe(real_images[:8])
     for i in range(8):
@@ -394,10 +447,18 @@ def test_from_albumentations_translates_and_reproduces_deterministic_pipeline(re
 
 
 def test_from_albumentations_random_ops_keep_parameters():
-    pipe = from_albumentations(A.Compose([
-        A.RandomResizedCrop((24, 24), scale=(0.3, 0.9)), A.HorizontalFlip(p=0.25),
-        A.ColorJitter(0.2, 0.3, 0.4, 0.05, p=0.7), A.CoarseDropout(p=0.2), A.Pad(2), A.RandomCrop(24, 24),
-    ]))
+    pipe = from_albumentations(
+        A.Compose(
+            [
+                A.RandomResizedCrop((24, 24), scale=(0.3, 0.9)),
+                A.HorizontalFlip(p=0.25),
+                A.ColorJitter(0.2, 0.3, 0.4, 0.05, p=0.7),
+                A.CoarseDropout(p=0.2),
+                A.Pad(2),
+                A.RandomCrop(24, 24),
+            ]
+        )
+    )
     kinds = [type(op).__name__ for op in pipe.ops]
     assert kinds == ["RandomResizedCrop", "HorizontalFlip", "ColorJitter", "CoarseDropout", "RandomCrop"]
     assert pipe.ops[0].scale == (0.3, 0.9) and pipe.ops[1].p == 0.25
@@ -407,8 +468,16 @@ def test_from_albumentations_random_ops_keep_parameters():
 
 def test_from_albumentations_lists_every_unsupported_transform():
     with pytest.raises(ValueError) as err:
-        from_albumentations(A.Compose([A.HorizontalFlip(), A.GaussianBlur(), A.Rotate(),
-                                       A.Resize(8, 8, interpolation=cv2.INTER_NEAREST)]))
+        from_albumentations(
+            A.Compose(
+                [
+                    A.HorizontalFlip(),
+                    A.GaussianBlur(),
+                    A.Rotate(),
+                    A.Resize(8, 8, interpolation=cv2.INTER_NEAREST),
+                ]
+            )
+        )
     msg = str(err.value)
     assert "GaussianBlur" in msg and "Rotate" in msg and "Resize" in msg and "INTER_LINEAR" in msg
 
@@ -416,8 +485,17 @@ def test_from_albumentations_lists_every_unsupported_transform():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_chunked_path_equals_whole_batch(real_images, threads):
     """Large outputs on CPU run a few samples at a time, on single-threaded workers: same result."""
-    p = Pipeline([RandomResizedCrop(112), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize(),
-                  CoarseDropout(p=1.0)], channels_last=True, compile=False)
+    p = Pipeline(
+        [
+            RandomResizedCrop(112),
+            HorizontalFlip(),
+            ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0),
+            Normalize(),
+            CoarseDropout(p=1.0),
+        ],
+        channels_last=True,
+        compile=False,
+    )
     x = real_images[:18]  # not a multiple of the chunk
     params = p.sample(18, 32, 32, torch.Generator().manual_seed(0))
     old = torch.get_num_threads()
@@ -490,17 +568,22 @@ def test_mixup_cutmix_elem_mode_draws_for_each_element():
 
 @pytest.mark.parametrize("mode", ["constant", "reflect", "symmetric", "edge"])
 def test_crop_from_a_resident_store_equals_cropping_the_gathered_batch(mode):
-    """The store path (the batch's rows gathered by the crop itself, border pixels as mapped indices, no padded
-    copy) gives the batch path's pixels in channels_last, and sees in-place changes of the store."""
+    """The store path (the batch's rows gathered by the crop itself, border pixels as mapped indices, no
+    padded copy) gives the batch path's pixels in channels_last, and sees in-place changes of the store."""
     g = torch.Generator().manual_seed(5)
     store = torch.randint(0, 256, (50, 3, 12, 10), dtype=torch.uint8, generator=g)
-    index, top, left = (torch.randint(0, 50, (16,), generator=g), torch.randint(0, 7, (16,), generator=g),
-                        torch.randint(0, 5, (16,), generator=g))
+    index, top, left = (
+        torch.randint(0, 50, (16,), generator=g),
+        torch.randint(0, 7, (16,), generator=g),
+        torch.randint(0, 5, (16,), generator=g),
+    )
     flip = torch.rand(16, generator=g) < 0.5
     args = ((12, 10), (2, 3, 2, 3), mode, 7.0, flip)
     got = crop_with_padding(store, top, left, *args, index=index)
     assert got.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(got, crop_with_padding(store[index], top, left, *args))
     store[index[0]] = 255 - store[index[0]]  # in place: nothing cached, the next gather sees it
-    assert torch.equal(crop_with_padding(store, top, left, *args, index=index),
-                       crop_with_padding(store[index], top, left, *args))
+    assert torch.equal(
+        crop_with_padding(store, top, left, *args, index=index),
+        crop_with_padding(store[index], top, left, *args),
+    )

@@ -75,8 +75,8 @@ def test_resized_crop_upscale_matches_torchvision(real_images):
     params = RandomResizedCrop(48, scale=(0.2, 0.9)).sample(5, 32, 32, torch.Generator().manual_seed(3))
     ours = resized_crop(x, params["top"], params["left"], params["height"], params["width"], (48, 48))
     for i in range(5):
-        t, l, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
-        ref = TF.resized_crop(x[i].float(), t, l, h, w, [48, 48], antialias=False)
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        ref = TF.resized_crop(x[i].float(), y0, x0, h, w, [48, 48], antialias=False)
         torch.testing.assert_close(ours[i], ref, atol=2e-3, rtol=0)
 
 
@@ -85,10 +85,18 @@ def test_brightness_contrast_saturation_match_torchvision(real_images, factor):
     x = real_images[:6].float()
     f = torch.full((6,), factor)
     # torchvision's luma weights are (0.2989, 0.587, 0.114), OpenCV's (0.299, ...): 1e-4 of a level apart.
-    for ours_fn, ref_fn in ((adjust_brightness, TF.adjust_brightness), (adjust_contrast, TF.adjust_contrast),
-                            (adjust_saturation, TF.adjust_saturation)):
-        torch.testing.assert_close(ours_fn(x, f) / 255.0, ref_fn(_unit(real_images[:6]), factor), atol=2e-4,
-                                   rtol=0, msg=ours_fn.__name__)
+    for ours_fn, ref_fn in (
+        (adjust_brightness, TF.adjust_brightness),
+        (adjust_contrast, TF.adjust_contrast),
+        (adjust_saturation, TF.adjust_saturation),
+    ):
+        torch.testing.assert_close(
+            ours_fn(x, f) / 255.0,
+            ref_fn(_unit(real_images[:6]), factor),
+            atol=2e-4,
+            rtol=0,
+            msg=ours_fn.__name__,
+        )
 
 
 @pytest.mark.parametrize("shift", [-0.5, -0.2, 0.03, 0.31, 0.5])
@@ -117,11 +125,13 @@ def test_hue_fast_formula_equals_hsv_round_trip_on_edge_cases():
 def test_normalize_grayscale_erase_match_torchvision(real_images):
     x = real_images[:4]
     mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
-    torch.testing.assert_close(Normalize(mean, std).apply(x, {}), TF.normalize(_unit(x), mean, std), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(
+        Normalize(mean, std).apply(x, {}), TF.normalize(_unit(x), mean, std), atol=1e-5, rtol=0
+    )
     gray = ToGray(1.0).apply(x.float(), {"gray": torch.ones(4, dtype=torch.bool)})
-    torch.testing.assert_close(gray / 255.0, TF.rgb_to_grayscale(_unit(x), num_output_channels=3), atol=2e-4,
-                               rtol=0)
+    torch.testing.assert_close(
+        gray / 255.0, TF.rgb_to_grayscale(_unit(x), num_output_channels=3), atol=2e-4, rtol=0
+    )
     holes = torch.tensor([[[3, 5, 13, 9]]] * 4)  # x0, y0, x1, y1
     erased = Erasing(fill=0.5, p=1.0).apply(_unit(x), {"holes": holes})
     assert torch.equal(erased, TF.erase(_unit(x), 5, 3, 4, 10, torch.tensor(0.5)))
@@ -137,8 +147,15 @@ def test_vertical_flip_matches_albumentations(real_images):
 
 def test_translated_random_pipeline_equals_albumentations_given_the_same_params(real_images, compiled):
     """Pad + crop + flip + normalize + dropout, whole pipeline, fed the parameters we sampled."""
-    compose = A.Compose([A.Pad(4, border_mode=cv2.BORDER_REFLECT_101), A.RandomCrop(32, 32), A.HorizontalFlip(),
-                         A.Normalize(), A.CoarseDropout((1, 2), (4, 8), (4, 8), fill=0.0, p=0.5)])
+    compose = A.Compose(
+        [
+            A.Pad(4, border_mode=cv2.BORDER_REFLECT_101),
+            A.RandomCrop(32, 32),
+            A.HorizontalFlip(),
+            A.Normalize(),
+            A.CoarseDropout((1, 2), (4, 8), (4, 8), fill=0.0, p=0.5),
+        ]
+    )
     pipe = from_albumentations(compose, channels_last=False, compile=compiled)
     x = real_images[:16]
     params = pipe.sample(16, 32, 32, torch.Generator().manual_seed(7))
@@ -146,8 +163,8 @@ def test_translated_random_pipeline_equals_albumentations_given_the_same_params(
     pad, crop, flip, norm, drop = compose.transforms
     for i in range(16):
         img = pad.apply(hwc(x[i]), **pad.get_params_dependent_on_data({"shape": (32, 32)}, {}))
-        t, l = int(params[0]["top"][i]), int(params[0]["left"][i])
-        img = crop.apply(img, crop_coords=(l, t, l + 32, t + 32))
+        y0, x0 = int(params[0]["top"][i]), int(params[0]["left"][i])
+        img = crop.apply(img, crop_coords=(x0, y0, x0 + 32, y0 + 32))
         if params[1]["flip"][i]:
             img = flip.apply(img)
         img = norm.apply(img, **norm.get_params())
@@ -160,11 +177,15 @@ def test_translated_random_pipeline_equals_albumentations_given_the_same_params(
 
 def test_erasing_params_match_albumentations_in_distribution():
     n = 4000
-    ours = Erasing(scale=(0.05, 0.3), ratio=(0.4, 2.5), p=1.0).sample(n, 24, 40, torch.Generator().manual_seed(0))
+    ours = Erasing(scale=(0.05, 0.3), ratio=(0.4, 2.5), p=1.0).sample(
+        n, 24, 40, torch.Generator().manual_seed(0)
+    )
     h = ours["holes"][:, 0].double()
     ref_t = A.Erasing(scale=(0.05, 0.3), ratio=(0.4, 2.5), p=1.0)
     ref_t.set_random_seed(0)
-    ref = np.stack([ref_t.get_params_dependent_on_data({"shape": (24, 40)}, {})["holes"][0] for _ in range(n)])
+    ref = np.stack(
+        [ref_t.get_params_dependent_on_data({"shape": (24, 40)}, {})["holes"][0] for _ in range(n)]
+    )
     for col, name in ((2, "width"), (3, "height")):
         ours_size = (h[:, col] - h[:, col - 2]).numpy()
         ref_size = ref[:, col] - ref[:, col - 2]
@@ -173,11 +194,18 @@ def test_erasing_params_match_albumentations_in_distribution():
     assert abs(h[:, 0].mean().item() - ref[:, 0].mean()) < 0.6  # left offsets
 
 
-# ------------------------------------------------------------------------------------------ per-sample contracts
+# --------------------------------------------------------------------------------------- per-sample contracts
 _RANDOM_OPS = [
-    RandomCrop(24, padding=3, padding_mode="reflect"), RandomResizedCrop(20), HorizontalFlip(), VerticalFlip(),
-    ColorJitter(0.4, 0.4, 0.4, 0.2, p=1.0), ToGray(), CoarseDropout((1, 3), (2, 6), (2, 6), fill=17, p=1.0),
-    Erasing(p=1.0), Resize((20, 28)), ResizeCenterCrop(20, 24),
+    RandomCrop(24, padding=3, padding_mode="reflect"),
+    RandomResizedCrop(20),
+    HorizontalFlip(),
+    VerticalFlip(),
+    ColorJitter(0.4, 0.4, 0.4, 0.2, p=1.0),
+    ToGray(),
+    CoarseDropout((1, 3), (2, 6), (2, 6), fill=17, p=1.0),
+    Erasing(p=1.0),
+    Resize((20, 28)),
+    ResizeCenterCrop(20, 24),
 ]
 
 
@@ -188,12 +216,15 @@ def test_batched_op_equals_the_op_on_each_sample_alone(real_images, op):
     params = op.sample(12, 24, 24, torch.Generator().manual_seed(1))
     batched = op.apply(x, params)
     for i in range(12):
-        single = op.apply(x[i:i + 1], {k: v[i:i + 1] for k, v in params.items()})
-        torch.testing.assert_close(batched[i:i + 1], single, atol=1e-4, rtol=0)
+        single = op.apply(x[i : i + 1], {k: v[i : i + 1] for k, v in params.items()})
+        torch.testing.assert_close(batched[i : i + 1], single, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("op", [o for o in _RANDOM_OPS if not isinstance(o, (Resize, ResizeCenterCrop))],
-                         ids=lambda op: type(op).__name__)
+@pytest.mark.parametrize(
+    "op",
+    [o for o in _RANDOM_OPS if not isinstance(o, (Resize, ResizeCenterCrop))],
+    ids=lambda op: type(op).__name__,
+)
 def test_random_ops_draw_different_parameters_for_each_sample(op):
     """Identical images in, different results out: parameters are per sample, not one draw per batch."""
     x = torch.zeros(64, 3, 24, 24, dtype=torch.uint8)
@@ -208,10 +239,18 @@ def test_random_ops_draw_different_parameters_for_each_sample(op):
 
 
 # ------------------------------------------------------------------------------------------ fused fast paths
-@pytest.mark.parametrize("first", [RandomResizedCrop(40, scale=(0.3, 1.0)), RandomCrop(28, padding=4),
-                                   RandomCrop(28, padding=4, padding_mode="symmetric"), CenterCrop(20),
-                                   Resize((36, 30)), ResizeCenterCrop(24)],
-                         ids=lambda op: type(op).__name__)
+@pytest.mark.parametrize(
+    "first",
+    [
+        RandomResizedCrop(40, scale=(0.3, 1.0)),
+        RandomCrop(28, padding=4),
+        RandomCrop(28, padding=4, padding_mode="symmetric"),
+        CenterCrop(20),
+        Resize((36, 30)),
+        ResizeCenterCrop(24),
+    ],
+    ids=lambda op: type(op).__name__,
+)
 def test_flip_folded_into_the_previous_op_is_exact(real_images, first):
     pipe = Pipeline([first, HorizontalFlip(p=0.5)], channels_last=False, compile=False)
     x = real_images[:16]
@@ -238,10 +277,10 @@ def test_fused_colour_steps_equal_the_separate_ops(real_images, form):
     fns = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
     keys = ("brightness", "contrast", "saturation", "hue")
     for i in range(24):
-        ref = x[i:i + 1].float()
+        ref = x[i : i + 1].float()
         for step in p["order"][i].tolist():
-            ref = fns[step](ref, p[keys[step]][i:i + 1])
-        torch.testing.assert_close(ours[i:i + 1], ref, atol=2e-3, rtol=0, msg=f"sample {i}")
+            ref = fns[step](ref, p[keys[step]][i : i + 1])
+        torch.testing.assert_close(ours[i : i + 1], ref, atol=2e-3, rtol=0, msg=f"sample {i}")
     gray = x[:, :1]  # one channel: saturation and hue have nothing to change
     out = color_jitter(gray, p["brightness"], p["contrast"], p["saturation"], p["hue"], p["order"])
     assert out.shape == gray.shape
@@ -254,7 +293,9 @@ def test_bad_images_and_params_have_clear_errors():
     with pytest.raises(TypeError, match="tensor of images"):
         Pipeline([HorizontalFlip()], compile=False)(np.zeros((2, 3, 8, 8), np.uint8))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="param dicts"):
-        Pipeline([HorizontalFlip(), Normalize()], compile=False)(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), params=[{}])
+        Pipeline([HorizontalFlip(), Normalize()], compile=False)(
+            torch.zeros(2, 3, 8, 8, dtype=torch.uint8), params=[{}]
+        )
     with pytest.raises(ValueError, match="2 mean values for images with 3 channels"):
         Normalize((0.5, 0.5), (0.5, 0.5)).apply(torch.zeros(1, 3, 4, 4), {})
     with pytest.raises(TypeError, match="floating point"):
@@ -273,8 +314,9 @@ def test_folded_flip_composes_with_a_subclass_that_sets_its_own_flip(real_images
 
     class AlwaysMirrorCrop(RandomCrop):
         def prepare(self, params, shape, index=None):
-            return super().prepare({**params, "flip": torch.ones(len(params["top"]), dtype=torch.bool)}, shape,
-                                   index)
+            return super().prepare(
+                {**params, "flip": torch.ones(len(params["top"]), dtype=torch.bool)}, shape, index
+            )
 
     first = AlwaysMirrorCrop(28, padding=2)
     pipe = Pipeline([first, HorizontalFlip()], channels_last=False, compile=False)

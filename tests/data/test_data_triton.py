@@ -9,19 +9,24 @@ from kernels._common import interpreter_enabled, triton_available
 from vision.data.functional._triton import resample_triton
 from vision.data.functional.geometry import gather_resample, resample, resample_tables
 
-pytestmark = pytest.mark.skipif(not (triton_available() and (interpreter_enabled() or torch.cuda.is_available())),
-                                reason="needs Triton (on a GPU, or its interpreter)")
+pytestmark = pytest.mark.skipif(
+    not (triton_available() and (interpreter_enabled() or torch.cuda.is_available())),
+    reason="needs Triton (on a GPU, or its interpreter)",
+)
 
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n,channels,canvas,size,layout", [
-    (5, 3, (37, 29), (24, 20), "nchw"),  # odd sizes, downscale in one axis and upscale in the other
-    (1, 3, (16, 16), (40, 72), "channels_last"),  # one sample, upscale, more columns than one tile
-    (3, 1, (20, 33), (9, 70), "nchw"),  # one channel
-])
+@pytest.mark.parametrize(
+    "n,channels,canvas,size,layout",
+    [
+        (5, 3, (37, 29), (24, 20), "nchw"),  # odd sizes, downscale in one axis and upscale in the other
+        (1, 3, (16, 16), (40, 72), "channels_last"),  # one sample, upscale, more columns than one tile
+        (3, 1, (20, 33), (9, 70), "nchw"),  # one channel
+    ],
+)
 def test_kernel_equals_the_pytorch_resample(n, channels, canvas, size, layout):
     """Same taps, same arithmetic: equal to the formula the CPU and compiled paths use, flips and
     fractional boxes included (a ragged canvas reads only inside each box)."""
@@ -36,7 +41,9 @@ def test_kernel_equals_the_pytorch_resample(n, channels, canvas, size, layout):
     flip = torch.rand(n, generator=g) < 0.5
     taps = resample_tables(top, left, height, width, size, canvas, flip)
     device = _device()
-    got = resample_triton(images.to(device), *(taps[k].to(device) for k in ("y0", "y1", "wy", "x0", "x1", "wx")))
+    got = resample_triton(
+        images.to(device), *(taps[k].to(device) for k in ("y0", "y1", "wy", "x0", "x1", "wx"))
+    )
     assert got.dtype == torch.float32 and got.shape == (n, channels, *size)
     torch.testing.assert_close(got.cpu(), gather_resample(images, taps), atol=1e-4, rtol=0)  # same arithmetic
     # and the eager grid_sample form, whose coordinates take a round trip through [-1, 1]

@@ -11,11 +11,16 @@ import warnings
 
 import pytest
 import torch
-from photo_folder import CLASSES, TRAIN_FILES, VAL_FILES, image_files, reference_rgb
 
+from photo_folder import CLASSES, TRAIN_FILES, VAL_FILES, image_files, reference_rgb
 from vision.data import DeviceLoader, ImageFolderDataModule, Pipeline, RaggedBatch, ResizeCenterCrop
 from vision.data.datasets import (
-    CorruptImageError, DatasetError, decode_image_bytes, fit_to_square, list_image_folder, load_image_folder,
+    CorruptImageError,
+    DatasetError,
+    decode_image_bytes,
+    fit_to_square,
+    list_image_folder,
+    load_image_folder,
 )
 
 SIDE = 24
@@ -41,8 +46,9 @@ def test_stored_squares_match_pil_decoding_and_cover_sub_folders(photo_folder):
     files = image_files(photo_folder, "train")
     assert len(data) == len(files) == len(CLASSES) * len(TRAIN_FILES)  # "more/9.webp" included
     assert data.class_names == list(CLASSES)
-    assert data.targets.tolist() == [CLASSES.index(p.parent.name if p.parent.name in CLASSES else
-                                                   p.parent.parent.name) for p in files]
+    assert data.targets.tolist() == [
+        CLASSES.index(p.parent.name if p.parent.name in CLASSES else p.parent.parent.name) for p in files
+    ]
     want = torch.stack([fit_to_square(reference_rgb(p), SIDE) for p in files])
     torch.testing.assert_close(data.images, want, rtol=0, atol=0)
 
@@ -53,10 +59,14 @@ def test_listing_matches_torchvision_image_folder(photo_folder):
     from vision.data.datasets import IMAGE_EXTENSIONS
 
     encoded = list_image_folder(photo_folder, "train")
-    reference = make_dataset(os.path.join(photo_folder, "train"), {c: i for i, c in enumerate(CLASSES)},
-                             extensions=IMAGE_EXTENSIONS)
+    reference = make_dataset(
+        os.path.join(photo_folder, "train"),
+        {c: i for i, c in enumerate(CLASSES)},
+        extensions=IMAGE_EXTENSIONS,
+    )
     assert [(os.path.normpath(s), int(t)) for s, t in zip(encoded.sources, encoded.targets)] == [
-        (os.path.normpath(p), c) for p, c in reference]
+        (os.path.normpath(p), c) for p, c in reference
+    ]
 
 
 def test_encoded_storage_decodes_16_bit_pngs_like_pil(photo_folder):
@@ -64,7 +74,7 @@ def test_encoded_storage_decodes_16_bit_pngs_like_pil(photo_folder):
     encoded = list_image_folder(photo_folder, "val")
     op = Pipeline([ResizeCenterCrop(SIDE, SIDE)])
     loader = DeviceLoader(encoded, encoded.targets, len(encoded), op, shuffle=False)
-    (got, _), = list(loader)
+    ((got, _),) = list(loader)
     files = image_files(photo_folder, "val")
     assert any(reference_rgb(p).shape and p.suffix == ".png" for p in files)
     ragged = RaggedBatch.from_images([reference_rgb(p) for p in files])
@@ -152,8 +162,12 @@ def test_val_split_fraction_holds_out_a_stratified_seeded_share_of_train(photo_c
     every = load_image_folder(str(photo_copy), "train", storage_size=dm.storage_size)
     rows = {tuple(x.flatten().tolist()) for x in every.images}
     assert all(tuple(x.flatten().tolist()) in rows for x in val.images)  # held out of train, not made up
-    assert not {tuple(x.flatten().tolist()) for x in val.images} & {tuple(x.flatten().tolist()) for x in train.images}
-    again = ImageFolderDataModule(str(photo_copy), image_size=SIDE, num_workers=1, val_split=val_split, seed=3)
+    assert not {tuple(x.flatten().tolist()) for x in val.images} & {
+        tuple(x.flatten().tolist()) for x in train.images
+    }
+    again = ImageFolderDataModule(
+        str(photo_copy), image_size=SIDE, num_workers=1, val_split=val_split, seed=3
+    )
     again.setup("fit")
     torch.testing.assert_close(again._splits["val"].images, val.images, rtol=0, atol=0)
 
@@ -168,8 +182,11 @@ def test_val_split_names_a_folder(photo_copy):
 def test_batch_larger_than_the_train_split_with_drop_last_fails_naming_the_numbers(photo_folder):
     dm = ImageFolderDataModule(photo_folder, image_size=SIDE, num_workers=1, batch_size=32, drop_last=True)
     dm.setup("fit")
-    with pytest.raises(DatasetError, match=r"train split has 20 images, fewer than batch_size=32 .*at most 20.*"
-                                           r"--data\.batch_size.*--data\.drop_last false"):
+    with pytest.raises(
+        DatasetError,
+        match=r"train split has 20 images, fewer than batch_size=32 .*at most 20.*"
+        r"--data\.batch_size.*--data\.drop_last false",
+    ):
         dm.train_dataloader()
     assert len(dm.val_dataloader()) == 1  # evaluation keeps its partial batch
 

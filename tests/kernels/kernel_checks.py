@@ -56,8 +56,8 @@ def with_strides(t: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
 
 
 def size1_restrides(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Views of ``t`` that differ from it only in the strides of size-1 dims (what a compiled graph may hand an
-    op instead of the strides it traced): same memory, same contiguity, other stride values."""
+    """Views of ``t`` that differ from it only in the strides of size-1 dims (what a compiled graph may hand
+    an op instead of the strides it traced): same memory, same contiguity, other stride values."""
     choices = []
     for size, stride in zip(t.shape, t.stride()):
         choices.append(
@@ -76,8 +76,8 @@ def in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def vector_variants(values: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One per-channel vector as users pass it: contiguous, every second element of a longer tensor (``t[::2]``)
-    and, for a constant vector, a stride-0 ``expand`` of one element."""
+    """One per-channel vector as users pass it: contiguous, every second element of a longer tensor
+    (``t[::2]``) and, for a constant vector, a stride-0 ``expand`` of one element."""
     c = values.shape[0]
     wide = torch.empty(2 * c, dtype=values.dtype, device=values.device)
     wide[::2] = values
@@ -96,9 +96,9 @@ def vector_variants(values: torch.Tensor) -> dict[str, torch.Tensor]:
 def assert_fake_strides_match_real(
     op: Callable[..., Any], args: Sequence[Any], real_args: Sequence[Any] | None = None
 ) -> None:
-    """The op's fake outputs have exactly (every dim, size-1 dims included) the sizes, strides and dtypes of its
-    real outputs. ``real_args`` (default ``args``) may hold other stride variants of the same tensors: the real
-    run must still produce what the fake promised from ``args``, as it must in a compiled graph."""
+    """The op's fake outputs have exactly (every dim, size-1 dims included) the sizes, strides and dtypes of
+    its real outputs. ``real_args`` (default ``args``) may hold other stride variants of the same tensors: the
+    real run must still produce what the fake promised from ``args``, as it must in a compiled graph."""
     real_out = op(*(args if real_args is None else real_args))
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake_args = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, list(args))
@@ -150,8 +150,9 @@ def make(
     dtype: torch.dtype = torch.float32,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """``randn·scale + offset`` on :data:`DEVICE`, a leaf; 4-D tensors get the strides ``torch.empty`` gives in
-    ``layout`` (so a tensor whose H=W=1 or C=1, contiguous in both orders, still gets that order's strides)."""
+    """``randn·scale + offset`` on :data:`DEVICE`, a leaf; 4-D tensors get the strides ``torch.empty`` gives
+    in ``layout`` (so a tensor whose H=W=1 or C=1, contiguous in both orders, still gets that order's
+    strides)."""
     t = torch.randn(tuple(shape), generator=generator) * scale + offset
     fmt = LAYOUTS[layout] if len(shape) == 4 else torch.contiguous_format
     out = torch.empty(tuple(shape), dtype=dtype, device=DEVICE, memory_format=fmt)
@@ -174,16 +175,16 @@ def grads_of(
 
 
 def as_leaf(v: torch.Tensor | None) -> torch.Tensor | None:
-    """A leaf that requires grad and keeps ``v``'s strides (``t[::2]`` stays strided, an expand stays stride 0):
-    how a strided or expanded per-channel parameter reaches an op."""
+    """A leaf that requires grad and keeps ``v``'s strides (``t[::2]`` stays strided, an expand stays stride
+    0): how a strided or expanded per-channel parameter reaches an op."""
     return None if v is None else v.detach().requires_grad_()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Layouts for the fake-vs-real stride checks
 
-#: name → (shape, layout the input is made in): NCHW, channels_last, N=1 in both, H=W=1 and C=1 (where NCHW and
-#: channels_last coincide: made in each order, so both stride sets reach the op).
+#: name → (shape, layout the input is made in): NCHW, channels_last, N=1 in both, H=W=1 and C=1 (where NCHW
+#: and channels_last coincide: made in each order, so both stride sets reach the op).
 STRIDE_CASES: dict[str, tuple[tuple[int, int, int, int], str]] = {
     "nchw": ((2, 4, 3, 5), "nchw"),
     "nhwc": ((2, 4, 3, 5), "nhwc"),
@@ -197,9 +198,9 @@ STRIDE_CASES: dict[str, tuple[tuple[int, int, int, int], str]] = {
 
 
 def restrided_args(args: Sequence[Any], limit: int | None = None) -> Iterator[list[Any]]:
-    """``args`` with the 4-D tensors re-strided: for each :func:`size1_restrides` variant of the first 4-D tensor,
-    every 4-D tensor argument with that tensor's shape and strides gets the variant's strides (same memory,
-    same values). At most ``limit`` variants, spread over the list."""
+    """``args`` with the 4-D tensors re-strided: for each :func:`size1_restrides` variant of the first 4-D
+    tensor, every 4-D tensor argument with that tensor's shape and strides gets the variant's strides (same
+    memory, same values). At most ``limit`` variants, spread over the list."""
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), None)
     if first is None:
         return
@@ -217,8 +218,8 @@ def restrided_args(args: Sequence[Any], limit: int | None = None) -> Iterator[li
 
 
 def check_fake_vs_real(op: Callable[..., Any], args: Sequence[Any], limit: int | None = 3) -> int:
-    """:func:`assert_fake_strides_match_real` with ``args``, then with each :func:`restrided_args` variant (at most
-    ``limit``) as the real arguments; the first variant's real outputs must also equal those of ``args``
+    """:func:`assert_fake_strides_match_real` with ``args``, then with each :func:`restrided_args` variant (at
+    most ``limit``) as the real arguments; the first variant's real outputs must also equal those of ``args``
     (re-striding size-1 dims changes no value). Returns how many re-strided variants were checked."""
     assert_fake_strides_match_real(op, args)
     checked = 0
@@ -255,9 +256,9 @@ def assert_grads_close(
     count: int,
     grad_family: str = "norm",
 ) -> None:
-    """Each gradient an op returned vs float64 autograd (``grad_family`` for fp32, ``"norm"`` for the half types,
-    which have no gradient entry) and vs the op's backward reference (``"norm"``). dγ and dβ are sums over
-    ``count`` elements, so their tolerance is scaled by sqrt(count)."""
+    """Each gradient an op returned vs float64 autograd (``grad_family`` for fp32, ``"norm"`` for the half
+    types, which have no gradient entry) and vs the op's backward reference (``"norm"``). dγ and dβ are sums
+    over ``count`` elements, so their tolerance is scaled by sqrt(count)."""
     for name, got, want, ref in zip(GRAD_NAMES, grads, grads64, reference_grads, strict=True):
         if got is None:
             assert ref is None, f"d{name}: the op returned no gradient but the reference did"

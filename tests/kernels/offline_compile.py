@@ -1,7 +1,7 @@
 """Compile Triton kernels for a GPU target on a machine without one.
 
-The interpreter (``TRITON_INTERPRET=1``) never compiles a kernel, so GPU-only compile errors would go unseen in
-CI; Triton can still compile for Hopper (sm90) offline. The test modules hand :func:`run_offline_compile` a
+The interpreter (``TRITON_INTERPRET=1``) never compiles a kernel, so GPU-only compile errors would go unseen
+in CI; Triton can still compile for Hopper (sm90) offline. The test modules hand :func:`run_offline_compile` a
 script that builds their kernels; the script runs in a fresh process (the interpreter is off there) and can
 import :func:`pointer_offset_widths` from this module.
 """
@@ -27,8 +27,8 @@ def pointer_offset_widths(ttir: str) -> list[str]:
 
 
 def run_offline_compile(script: str, as_main: bool = False) -> None:
-    """Run ``script`` in a fresh process with the interpreter off; it must print ``compiled``. With ``as_main``
-    it runs from a file as ``__main__`` (what a process pool in it needs)."""
+    """Run ``script`` in a fresh process with the interpreter off; it must print ``compiled``. With
+    ``as_main`` it runs from a file as ``__main__`` (what a process pool in it needs)."""
     import tempfile
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join((_ROOT, _HERE))}
@@ -82,12 +82,12 @@ def compile_conv_kernel(config: tuple, io_dtype: str, layer: dict, dot_precision
     of 16 are marked divisible, ``do_not_specialize`` honoured), pointers 16-byte aligned as PyTorch allocates
     them; one ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` config, ``io_dtype`` ("bf16", "fp16",
     "fp32") activations and the given flags."""
+    import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    import triton
     from kernels.conv_bn_act import _conv_bn_act_kernel
 
     fn = _conv_bn_act_kernel.fn

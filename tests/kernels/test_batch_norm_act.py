@@ -1,4 +1,5 @@
-"""``lcv::batch_norm_act`` (``kernels/batch_norm_act.py``): op, backward op, functional, module forward, module.
+"""``lcv::batch_norm_act`` (``kernels/batch_norm_act.py``): op, backward op, functional, module forward,
+module.
 
 On CPU the Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes
 stay tiny and odd; tests that claim to test Triton count the launcher calls. Two oracles everywhere: the op
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from kernel_checks import (
     DEVICE,
     EAGER_ACTIVATIONS,
@@ -34,9 +37,6 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-
 from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
 from kernels.batch_norm_act import (
     FusedBatchNormAct,
@@ -48,10 +48,12 @@ from kernels.batch_norm_act_reference import (
     batch_norm_act_backward_reference,
     batch_norm_act_forward_reference,
 )
+from offline_compile import run_offline_compile
 
 BN = importlib.import_module("kernels.batch_norm_act")
-# Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows there
-# (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that negative).
+# Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows
+# there (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that
+# negative).
 MASKED_LANE_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 LAUNCHERS = ("batch_norm_act_forward_triton", "batch_norm_act_backward_triton", "batch_stats_triton")
 FWD, BWD, STATS = LAUNCHERS
@@ -83,11 +85,11 @@ def check_batch_norm(
     probe_layout=None,
     ref_scale=1.0,
 ):
-    """``batch_norm_act`` vs float64 eager (``F.batch_norm`` → + residual → activation) and vs the op references:
-    output (dtype, canonical strides of x's layout), running statistics (updated in training, untouched in
-    eval) and every gradient. Leaves that are not None must require grad. ``ref_scale`` widens the output
-    comparison with the (fp32) op reference: two fp32 results each within the tolerance of float64 can be twice
-    that apart."""
+    """``batch_norm_act`` vs float64 eager (``F.batch_norm`` → + residual → activation) and vs the op
+    references: output (dtype, canonical strides of x's layout), running statistics (updated in training,
+    untouched in eval) and every gradient. Leaves that are not None must require grad. ``ref_scale`` widens
+    the output comparison with the (fp32) op reference: two fp32 results each within the tolerance of float64
+    can be twice that apart."""
     dtype, c = x.dtype, x.shape[1]
     rm, rv = running if running is not None else (None, None)
     rm0, rv0 = (None, None) if rm is None else (rm.detach().clone(), rv.detach().clone())
@@ -227,7 +229,8 @@ def test_from_module_shares_state_and_keeps_state_dict_keys():
 
 
 def test_module_forward_keeps_eager_type_promotion_for_a_residual_of_another_dtype():
-    """The op needs residual.dtype == x.dtype; the module forward then adds the residual after, as eager does."""
+    """The op needs residual.dtype == x.dtype; the module forward then adds the residual after, as eager
+    does."""
     bn = nn.BatchNorm2d(4).to(DEVICE)
     fused = FusedBatchNormAct.from_module(copy.deepcopy(bn), nn.ReLU())
     x = make((2, 4, 3, 5), requires_grad=False)
@@ -262,9 +265,9 @@ def test_from_module_rejects_what_it_cannot_fuse(module, act, error, match):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_strided_and_expanded_vectors_on_the_triton_path(kind, training, layout, launches):
-    """weight, bias (and, in eval, running_mean/running_var) as ``t[::2]`` with NaN in the gaps, or as a stride-0
-    expand of a longer tensor: forward and backward must match the references (a kernel indexing them as
-    ``ptr + c`` reads the NaNs or the wrong entries)."""
+    """weight, bias (and, in eval, running_mean/running_var) as ``t[::2]`` with NaN in the gaps, or as a
+    stride-0 expand of a longer tensor: forward and backward must match the references (a kernel indexing them
+    as ``ptr + c`` reads the NaNs or the wrong entries)."""
     c = 5
     g = torch.Generator().manual_seed(3)
     weight = as_leaf(vector_variants((torch.rand(c, generator=g) + 0.5).to(DEVICE))[kind])
@@ -296,8 +299,8 @@ def test_batch_statistics_at_large_means(offset, launches):
     with torch.no_grad():
         x += torch.linspace(-1, 1, c, device=DEVICE).view(1, c, 1, 1)  # a different mean per channel
     running = (torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE))
-    # at a mean of 1000 one fp32 rounding of the mean (3e-5) times |γ| ~ 2 is most of the tolerance: the kernel and
-    # the fp32 reference are each compared with float64 at 1x, with each other at 2x
+    # at a mean of 1000 one fp32 rounding of the mean (3e-5) times |γ| ~ 2 is most of the tolerance: the
+    # kernel and the fp32 reference are each compared with float64 at 1x, with each other at 2x
     check_batch_norm(
         x, make((c,)), make((c,)), None, training=True, activation="relu", running=running, ref_scale=2.0
     )
@@ -309,8 +312,8 @@ def test_batch_statistics_at_large_means(offset, launches):
 @pytest.mark.parametrize("offset", [0.0, 1000.0])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_given_batch_mean_and_var_match_computed_statistics(offset, layout, launches):
-    """A conv epilogue's batch_mean/batch_var (here: float64 statistics rounded to fp32) replace the statistics
-    pass and give the same output, running statistics and gradients as the computed ones."""
+    """A conv epilogue's batch_mean/batch_var (here: float64 statistics rounded to fp32) replace the
+    statistics pass and give the same output, running statistics and gradients as the computed ones."""
     shape = (2, 6, 5, 7)
     c = shape[1]
     x = make(shape, layout, offset=offset)
@@ -324,7 +327,8 @@ def test_given_batch_mean_and_var_match_computed_statistics(offset, layout, laun
         results.append((y, rm, rv, *torch.autograd.grad(y, (x, w, b, r), probe_for(x))))
         if TRITON_PATH:
             assert (STATS in launches) == (not hints), launches
-    # two fp32 statistics, each within the tolerance of float64, may be twice that apart; dγ, dβ sum over N·H·W
+    # two fp32 statistics, each within the tolerance of float64, may be twice that apart; dγ, dβ sum over
+    # N·H·W
     for name, got, want in zip(("y", "running_mean", "running_var", "dx", "dw", "db", "dr"), *results):
         scale = (shape[0] * shape[2] * shape[3]) ** 0.5 if name in ("dw", "db") else 2.0
         assert_close(got, want, "norm", scale=scale, msg=name)

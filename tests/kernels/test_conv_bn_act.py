@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
+import kernels.conv_bn_act as conv_mod
 from kernel_checks import (
     DEVICE,
     TRITON_PATH,
@@ -25,14 +28,11 @@ from kernel_checks import (
     size1_restrides,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-
-import kernels.conv_bn_act as conv_mod
 from kernels._common import ACTIVATIONS, interpreter_enabled, needs_int64
 from kernels.conv_bn_act import FusedConvBNAct, conv_bn_act, conv_bn_act_forward, why_conv_bn_act_not_fusable
 from kernels.conv_bn_act_reference import conv2d_output_hw, conv_bn_act_reference
 from kernels.tolerances import tolerance
+from offline_compile import run_offline_compile
 
 EAGER_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 OP = torch.ops.lcv.conv_bn_act.default
@@ -64,7 +64,8 @@ def batch_stats64(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def assert_stats_close(mean, var, z64, dtype=torch.float32):
-    """Mean and biased variance vs float64: the mean relative to the spread (what BatchNorm subtracts it from)."""
+    """Mean and biased variance vs float64: the mean relative to the spread (what BatchNorm subtracts it
+    from)."""
     e_mean, e_var = batch_stats64(z64)
     std = e_var.sqrt()
     assert_close((mean.double() - e_mean) / std, torch.zeros_like(e_mean), "norm", dtype, msg="mean / std")
@@ -164,7 +165,8 @@ def test_each_epilogue_flag_forward_and_backward(name):
 
 
 def test_gradcheck_fused_epilogue_float64_reference_path(monkeypatch):
-    """The hand-written backward, with numerical derivatives, on the reference path (float64 needs no Triton)."""
+    """The hand-written backward, with numerical derivatives, on the reference path (float64 needs no
+    Triton)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = nhwc(torch.randn(1, 2, 5, 4, dtype=torch.float64)).requires_grad_()
     w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
@@ -249,9 +251,10 @@ LAYOUT_CASES = [(4, 8, 2, 2, 16, 3, 2), (4, 16, 1, 1, 16, 3, 1), (1, 5, 3, 3, 4,
 @pytest.mark.parametrize("path", ["triton", "reference"])
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "N{}C{}H{}W{}K{}k{}s{}".format(*c))
 def test_fake_gives_the_strides_of_the_real_op_for_every_layout(monkeypatch, case, path):
-    """A 1x1 output (and N=1, C=1) is both contiguous and channels_last; a compiled graph may hand the op other
-    strides on those size-1 dims than it traced. Outputs must still have exactly the strides the fake promised
-    (a mismatch crashed Inductor's backward on torchvision ResNets at 32 px), on either implementation."""
+    """A 1x1 output (and N=1, C=1) is both contiguous and channels_last; a compiled graph may hand the op
+    other strides on those size-1 dims than it traced. Outputs must still have exactly the strides the fake
+    promised (a mismatch crashed Inductor's backward on torchvision ResNets at 32 px), on either
+    implementation."""
     if path == "triton" and not TRITON_PATH:
         pytest.skip("needs the Triton path (CUDA or TRITON_INTERPRET=1)")
     if path == "reference":
@@ -420,8 +423,9 @@ def test_strided_and_expanded_vectors_read_by_their_strides(monkeypatch, name, v
 
 @pytest.mark.parametrize("offset", [0.0, 30.0, 300.0, 1000.0])
 def test_statistics_stay_accurate_at_a_large_mean(offset):
-    """A conv bias of 300 made ``E[z²] - E[z]²`` lose the variance (365x the tolerance). Per-tile (count, mean,
-    M2) merged with Chan's formula keeps the variance and the normalised output within the BN tolerance."""
+    """A conv bias of 300 made ``E[z²] - E[z]²`` lose the variance (365x the tolerance). Per-tile (count,
+    mean, M2) merged with Chan's formula keeps the variance and the normalised output within the BN
+    tolerance."""
     torch.manual_seed(0)
     x = nhwc(torch.randn(4, 8, 9, 9, device=DEVICE))
     weight = torch.randn(6, 8, 3, 3, device=DEVICE) * 0.2
@@ -436,7 +440,8 @@ def test_statistics_stay_accurate_at_a_large_mean(offset):
     e_mean, e_var = batch_stats64(z)
     expected = F.relu((z - e_mean.view(1, -1, 1, 1)) / (e_var.view(1, -1, 1, 1) + bn.eps).sqrt())
     # At a mean of 1000 an fp32 z carries only ~1e-4 of its spread (its ulp is 6e-5): fp32 eager itself misses
-    # the BN tolerance there. The output must be within the tolerance or as close as fp32 eager, if that is worse.
+    # the BN tolerance there. The output must be within the tolerance or as close as fp32 eager, if that is
+    # worse.
     eager32 = F.relu(F.batch_norm(F.conv2d(x, weight, bias, padding=1), None, None, training=True))
     floor = (eager32.double() - expected).abs().max().item()
     atol, _ = tolerance("norm", torch.float32)
@@ -471,7 +476,8 @@ def test_int64_offsets_only_for_tensors_spanning_2_31_elements():
 
 @requires_triton_path
 def test_int64_variant_computes_the_same_result(monkeypatch):
-    """Huge tensors take the int64 variant; it must agree bit for bit with the int32 one on a small problem."""
+    """Huge tensors take the int64 variant; it must agree bit for bit with the int32 one on a small
+    problem."""
     x = nhwc(torch.randn(2, 5, 6, 7, device=DEVICE))
     weight, bias = torch.randn(9, 5, 3, 3, device=DEVICE), torch.randn(9, device=DEVICE)
     residual = nhwc(torch.randn(2, 9, 3, 4, device=DEVICE))
@@ -650,7 +656,8 @@ def test_conv_bn_act_forward_matches_eager_chain_and_backward_does_not_recompute
     (y * probe).sum().backward()
     (e * probe).sum().backward()
     if TRITON_PATH and training:
-        # (eval folds BN into the conv epilogue; d scale then needs z, which the backward recomputes by design)
+        # (eval folds BN into the conv epilogue; d scale then needs z, which the backward recomputes by
+        # design)
         assert launches == ["conv_bn_act_triton"], (
             "backward must not re-run the conv (the statistics need no gradient)"
         )
@@ -846,7 +853,8 @@ def _allowed(config, **layer):
 
 def test_config_rules_keep_what_compiled_without_spills():
     by_kind = {kind: [c for c in conv_mod.GPU_CONFIGS if c[5] == kind] for kind in ("1x1", "any", "narrow")}
-    # 8 warps only where the reduction loop is the plain channel loop (pytorch#173068 is the flattened tap loop)
+    # 8 warps only where the reduction loop is the plain channel loop (pytorch#173068 is the flattened tap
+    # loop)
     assert all(c[4] == 8 for c in by_kind["1x1"]) and all(
         c[4] == 4 for c in conv_mod.GPU_CONFIGS if c[5] != "1x1"
     )
@@ -898,10 +906,12 @@ for index_64 in (False, True):
     assert "mma" in kernel.asm["ptx"], "expected tensor-core MMA instructions in the PTX"
     assert "cp.async" in kernel.asm["ptx"], "aligned channels must load with cp.async"
     ttir = kernel.asm["ttir"]
-    # BatchNorm statistics are per-tile partials merged in a fixed order: no atomics (nondeterministic order).
+    # BatchNorm statistics are per-tile partials merged in a fixed order: no atomics (nondeterministic
+    # order).
     assert "atomic" not in ttir, "the statistics epilogue must not use atomics"
     widths = set(pointer_offset_widths(ttir))
-    # The int64 variant (tensors of 2**31+ elements) addresses everything in 64 bits; the int32 one never does.
+    # The int64 variant (tensors of 2**31+ elements) addresses everything in 64 bits; the int32 one never
+    # does.
     assert widths == ({"i64"} if index_64 else {"i32"}), (index_64, widths)
 print("compiled")
 """
@@ -941,9 +951,9 @@ def jobs():
         for dtype, epilogue in (("bf16", "full"), ("fp32", "full"), ("bf16", "plain")):
             for config in conv_mod.GPU_CONFIGS:
                 if conv_mod.allowed_config(
-                    config[:5], R=layer["R"], S=layer["S"], C=layer["C"], K=layer["K"], Y_ALIGN=layer["Y_ALIGN"],
-                    M_BUCKET=layer["M_BUCKET"], element_size=4 if dtype == "fp32" else 2,
-                    epilogue=epilogue == "full",
+                    config[:5], R=layer["R"], S=layer["S"], C=layer["C"], K=layer["K"],
+                    Y_ALIGN=layer["Y_ALIGN"], M_BUCKET=layer["M_BUCKET"],
+                    element_size=4 if dtype == "fp32" else 2, epilogue=epilogue == "full",
                 ):
                     yield name, spec, dtype, epilogue, config
 
@@ -969,8 +979,9 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernel itself")
 def test_every_gpu_config_compiles_without_register_spills():
-    """Each config the autotuner may pick, on each layer variant it may pick it for, compiled for sm_90 as a launch
-    would specialise it: ``ptxas -v`` must report no spill bytes (the first tables spilled up to 51 KB a thread)."""
+    """Each config the autotuner may pick, on each layer variant it may pick it for, compiled for sm_90 as a
+    launch would specialise it: ``ptxas -v`` must report no spill bytes (the first tables spilled up to 51 KB
+    a thread)."""
     run_offline_compile(_SPILL_SCRIPT, as_main=True)
 
 

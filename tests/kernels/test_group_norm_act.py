@@ -1,4 +1,5 @@
-"""``lcv::group_norm_act`` (``kernels/group_norm_act.py``): op, backward op, functional, module forward, module.
+"""``lcv::group_norm_act`` (``kernels/group_norm_act.py``): op, backward op, functional, module forward,
+module.
 
 On CPU the Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes
 stay tiny and odd; tests that claim to test Triton count the launcher calls. Two oracles everywhere: the op
@@ -15,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from kernel_checks import (
     DEVICE,
     EAGER_ACTIVATIONS,
@@ -34,21 +38,19 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
 from kernels.group_norm_act import FusedGroupNormAct, group_norm_act, group_norm_act_forward
 from kernels.group_norm_act_reference import (
     group_norm_act_backward_reference,
     group_norm_act_forward_reference,
 )
+from offline_compile import run_offline_compile
 
 # ``kernels.group_norm_act`` is the function re-exported by ``kernels/__init__.py``; the module is this one.
 GN = importlib.import_module("kernels.group_norm_act")
-# Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows there
-# (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that negative).
+# Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows
+# there (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that
+# negative).
 MASKED_LANE_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 LAUNCHERS = ("group_norm_act_forward_triton", "group_norm_act_backward_triton")
 FWD, BWD = LAUNCHERS
@@ -78,10 +80,10 @@ def check_group_norm(
     probe_layout=None,
     ref_scale=1.0,
 ):
-    """``group_norm_act`` vs float64 eager (``F.group_norm`` → + residual → activation) and vs the op references:
-    output (dtype, canonical strides of x's layout) and every gradient. Leaves that are not None must require
-    grad. ``ref_scale`` widens the output comparison with the (fp32) op reference: two fp32 results that are each
-    within the tolerance of float64 can be twice that apart."""
+    """``group_norm_act`` vs float64 eager (``F.group_norm`` → + residual → activation) and vs the op
+    references: output (dtype, canonical strides of x's layout) and every gradient. Leaves that are not None
+    must require grad. ``ref_scale`` widens the output comparison with the (fp32) op reference: two fp32
+    results that are each within the tolerance of float64 can be twice that apart."""
     dtype, c = x.dtype, x.shape[1]
     y = group_norm_act(x, groups, weight, bias, eps, activation=activation, residual=residual)
     assert y.dtype == dtype
@@ -147,12 +149,12 @@ def test_without_affine_parameters():
     ids=["two_channel_tiles", "two_pixel_tiles"],
 )
 def test_statistics_at_large_means(offset, shape, groups, launches):
-    """std ~1 around a mean of up to 1000: output and gradients within the GroupNorm tolerance of float64 eager
-    (the group statistics merge several tiles: 70 channels a group, or 32 channels x 100 pixels)."""
+    """std ~1 around a mean of up to 1000: output and gradients within the GroupNorm tolerance of float64
+    eager (the group statistics merge several tiles: 70 channels a group, or 32 channels x 100 pixels)."""
     x = make(shape, "nhwc", offset=offset)
     c = shape[1]
-    # at a mean of 1000 one fp32 rounding of the mean (3e-5) times |γ| ~ 2 is most of the tolerance: the kernel and
-    # the fp32 reference are each compared with float64 at 1x, with each other at 2x
+    # at a mean of 1000 one fp32 rounding of the mean (3e-5) times |γ| ~ 2 is most of the tolerance: the
+    # kernel and the fp32 reference are each compared with float64 at 1x, with each other at 2x
     check_group_norm(x, groups, make((c,)), make((c,)), None, activation="gelu", ref_scale=2.0)
     if TRITON_PATH:
         assert launches == [FWD, BWD]
@@ -170,9 +172,9 @@ ONE_VALUE = "Expected more than 1 value per channel when training"
     ids=["N1_1x1_G=C", "N1_1x1_C3_G2", "C6_G4", "C6_G4_1x1", "N1_C6_G4"],
 )
 def test_bad_input_raises_what_f_group_norm_raises(shape, groups):
-    """Where ``F.group_norm`` raises, so do the functional, the module and the op's fake (what torch.compile runs):
-    the same exception type; for one value per group PyTorch's ValueError message, for channels not divisible by
-    the groups PyTorch's RuntimeError message."""
+    """Where ``F.group_norm`` raises, so do the functional, the module and the op's fake (what torch.compile
+    runs): the same exception type; for one value per group PyTorch's ValueError message, for channels not
+    divisible by the groups PyTorch's RuntimeError message."""
     x = torch.randn(shape, device=DEVICE)
     with pytest.raises(Exception) as torch_info:
         F.group_norm(x, groups)
@@ -199,7 +201,8 @@ def test_bad_input_raises_what_f_group_norm_raises(shape, groups):
 @MASKED_LANE_OVERFLOW
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_two_samples_of_one_value_per_group_are_allowed_as_in_pytorch(layout, launches):
-    """N=2, 1x1, G=C: PyTorch normalises each value by itself (x̂ = 0, y = β); so must we, forward and backward."""
+    """N=2, 1x1, G=C: PyTorch normalises each value by itself (x̂ = 0, y = β); so must we, forward and
+    backward."""
     x = make((2, 4, 1, 1), layout)
     F.group_norm(x.detach(), 4)  # PyTorch accepts it
     check_group_norm(x, 4, make((4,)), make((4,)), make((2, 4, 1, 1), layout), activation="silu")
@@ -215,8 +218,9 @@ def test_two_samples_of_one_value_per_group_are_allowed_as_in_pytorch(layout, la
 @pytest.mark.parametrize("kind", ["strided", "expanded"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_strided_and_expanded_vectors_on_the_triton_path(kind, layout, launches):
-    """weight and bias as ``t[::2]`` with NaN in the gaps, or as a stride-0 expand of a longer tensor: forward and
-    backward must match the references (a kernel indexing them as ``ptr + c`` reads the NaNs or wrong entries)."""
+    """weight and bias as ``t[::2]`` with NaN in the gaps, or as a stride-0 expand of a longer tensor: forward
+    and backward must match the references (a kernel indexing them as ``ptr + c`` reads the NaNs or wrong
+    entries)."""
     c = 6
     g = torch.Generator().manual_seed(3)
     weight = as_leaf(vector_variants((torch.rand(c, generator=g) + 0.5).to(DEVICE))[kind])
@@ -288,7 +292,8 @@ def test_from_module_shares_state_and_keeps_state_dict_keys():
 
 
 def test_module_forward_keeps_eager_type_promotion_for_a_residual_of_another_dtype():
-    """The op needs residual.dtype == x.dtype; the module forward then adds the residual after, as eager does."""
+    """The op needs residual.dtype == x.dtype; the module forward then adds the residual after, as eager
+    does."""
     gn = nn.GroupNorm(2, 4).to(DEVICE)
     fused = FusedGroupNormAct.from_module(gn)
     x = make((2, 4, 3, 5), requires_grad=False)
@@ -450,8 +455,8 @@ def gn_cases(draw):
     n = draw(st.integers(1, 2))
     h, w = draw(st.sampled_from([(1, 1), (1, 6), (5, 1), (3, 4), (13, 11)]))
     c = draw(st.sampled_from([1, 3, 5, 24, 40]))
-    # at most 8 groups: the interpreter runs each (sample, group) program in Python (one group a channel is in the
-    # parametrized cases)
+    # at most 8 groups: the interpreter runs each (sample, group) program in Python (one group a channel is in
+    # the parametrized cases)
     groups = draw(st.sampled_from([g for g in (1, 2, 3, 4, 5, 8) if c % g == 0]))
     if n * (c // groups) * h * w == 1:  # one value per group over the batch: PyTorch refuses it
         n = 2

@@ -1,9 +1,11 @@
-"""``lcv::layer_norm2d_act`` (``kernels/layer_norm2d_act.py``): op, backward op, functional, module forward, module.
+"""``lcv::layer_norm2d_act`` (``kernels/layer_norm2d_act.py``): op, backward op, functional, module forward,
+module.
 
-LayerNorm over the channels of an NCHW tensor (ConvNeXt's ``LayerNorm2d``). On CPU the Triton kernels run in the
-interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes stay tiny and odd; tests that claim to
-test Triton count the launcher calls. Two oracles everywhere: the op references
-(``kernels/layer_norm2d_act_reference.py``) and ``F.layer_norm`` over the permuted tensor, autograd in float64.
+LayerNorm over the channels of an NCHW tensor (ConvNeXt's ``LayerNorm2d``). On CPU the Triton kernels run in
+the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes stay tiny and odd; tests that
+claim to test Triton count the launcher calls. Two oracles everywhere: the op references
+(``kernels/layer_norm2d_act_reference.py``) and ``F.layer_norm`` over the permuted tensor, autograd in
+float64.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from kernel_checks import (
     DEVICE,
     EAGER_ACTIVATIONS,
@@ -34,9 +38,6 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from offline_compile import run_offline_compile
-from torch import nn
-
 from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
 from kernels.layer_norm2d_act import (
     MAX_LAYERNORM_CHANNELS,
@@ -48,11 +49,13 @@ from kernels.layer_norm2d_act_reference import (
     layer_norm2d_act_backward_reference,
     layer_norm2d_act_forward_reference,
 )
+from offline_compile import run_offline_compile
 
 # ``kernels.layer_norm2d_act`` is the function re-exported by ``kernels/__init__.py``; the module is this one.
 LN = importlib.import_module("kernels.layer_norm2d_act")
-# Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows there
-# (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that negative).
+# Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows
+# there (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that
+# negative).
 MASKED_LANE_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 LAUNCHERS = ("layer_norm2d_act_forward_triton", "layer_norm2d_act_backward_triton")
 FWD, BWD = LAUNCHERS
@@ -70,16 +73,18 @@ def _d(t):
 
 
 def eager_layer_norm2d(x, weight, bias, eps):
-    """LayerNorm over the channels as ConvNeXt's LayerNorm2d computes it: permute, ``F.layer_norm``, permute."""
+    """LayerNorm over the channels as ConvNeXt's LayerNorm2d computes it: permute, ``F.layer_norm``,
+    permute."""
     return F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, eps).permute(0, 3, 1, 2)
 
 
 def check_layer_norm2d(
     x, weight, bias, residual, *, activation, eps=1e-6, grad_family="norm", probe_layout=None
 ):
-    """``layer_norm2d_act`` vs float64 eager (permuted ``F.layer_norm`` → + residual → activation) and vs the op
-    references: output (dtype, canonical strides of x's layout) and every gradient. Leaves that are not None must
-    require grad."""
+    """``layer_norm2d_act`` vs float64 eager (permuted ``F.layer_norm`` → + residual → activation) and vs the
+    op
+    references: output (dtype, canonical strides of x's layout) and every gradient. Leaves that are not None
+    must require grad."""
     dtype, c = x.dtype, x.shape[1]
     y = layer_norm2d_act(x, weight, bias, eps, activation=activation, residual=residual)
     assert y.dtype == dtype
@@ -143,8 +148,9 @@ def test_without_affine_parameters():
 @pytest.mark.parametrize("kind", ["strided", "expanded"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_strided_and_expanded_vectors_on_the_triton_path(kind, layout, launches):
-    """weight and bias as ``t[::2]`` with NaN in the gaps, or as a stride-0 expand of a longer tensor: forward and
-    backward must match the references (a kernel indexing them as ``ptr + c`` reads the NaNs or wrong entries)."""
+    """weight and bias as ``t[::2]`` with NaN in the gaps, or as a stride-0 expand of a longer tensor: forward
+    and backward must match the references (a kernel indexing them as ``ptr + c`` reads the NaNs or wrong
+    entries)."""
     c = 6
     g = torch.Generator().manual_seed(3)
     weight = as_leaf(vector_variants((torch.rand(c, generator=g) + 0.5).to(DEVICE))[kind])
@@ -219,7 +225,8 @@ def test_from_module_shares_state_and_keeps_state_dict_keys():
 
 
 def test_module_forward_keeps_eager_type_promotion_for_a_residual_of_another_dtype():
-    """The op needs residual.dtype == x.dtype; the module forward then adds the residual after, as eager does."""
+    """The op needs residual.dtype == x.dtype; the module forward then adds the residual after, as eager
+    does."""
     ln = nn.LayerNorm(4).to(DEVICE)
     fused = FusedLayerNorm2dAct.from_module(ln, nn.ReLU())
     x = make((2, 4, 3, 5), requires_grad=False)

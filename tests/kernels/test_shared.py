@@ -1,5 +1,6 @@
-"""The helpers every op shares: layouts and canonical strides, vectors, activation names, the channel-statistics
-merge (``kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not installed."""
+"""The helpers every op shares: layouts and canonical strides, vectors, activation names, the
+channel-statistics merge (``kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not
+installed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import sys
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_close, requires_triton_path, size1_restrides
 from torch import nn
 
+from kernel_checks import DEVICE, assert_close, requires_triton_path, size1_restrides
 from kernels._common import (
     activation_name,
     canonical_strides,

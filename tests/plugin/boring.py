@@ -110,5 +110,7 @@ class LinearModule(L.LightningModule):
 
 def make_vector_loader(n: int = 16, batch_size: int = 4) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)),
-                      batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)),
+        batch_size=batch_size,
+    )

@@ -33,14 +33,19 @@ def main(cache_file: str) -> None:
     strategy = lightning_plugin.CompiledStrategy(cache=cache_file, compile_eval=False)
     trainer = L.Trainer(**{**TRAINER_KWARGS, "strategy": strategy, "limit_train_batches": 2})
     trainer.fit(LinearModule(), make_vector_loader())
-    print(json.dumps({
-        "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
-        "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
-        # Kernel binaries only: computing the key of Inductor's precompiled header preprocesses it each time.
-        "cpp_builds": sum(path.endswith(".so") for path in builds),
-        "graphs": strategy.compile_stats.graphs,
-        "saved": os.path.isfile(cache_file),
-    }))
+    print(
+        json.dumps(
+            {
+                "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
+                "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
+                # Kernel binaries only: computing the key of Inductor's precompiled header preprocesses it
+                # each time.
+                "cpp_builds": sum(path.endswith(".so") for path in builds),
+                "graphs": strategy.compile_stats.graphs,
+                "saved": os.path.isfile(cache_file),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

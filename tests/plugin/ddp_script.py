@@ -48,8 +48,16 @@ def main(out: str, backend: str) -> None:
     if trainer.global_rank == 0:
         torch.save(module.state_dict(), out + ".pt")
         with open(out + ".json", "w") as f:
-            json.dump({"graphs": stats.graphs, "graph_breaks": stats.graph_breaks, "steps": trainer.global_step,
-                       "world_size": trainer.world_size, "forward_restored": "forward" not in module.__dict__}, f)
+            json.dump(
+                {
+                    "graphs": stats.graphs,
+                    "graph_breaks": stats.graph_breaks,
+                    "steps": trainer.global_step,
+                    "world_size": trainer.world_size,
+                    "forward_restored": "forward" not in module.__dict__,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -35,11 +35,15 @@ def main(rank: int, port: str, out: Path) -> None:
         return 1.5 if fused_wins else 0.5
 
     selection = select(model, torch.randn(2, 3, 6, 6), clock, out / f"cache{rank}")
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "chosen": [d.chosen for d in selection.decisions],
-        "rewritten": substituted_modules(model),
-        "timer_calls": len(calls),
-    }))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "chosen": [d.chosen for d in selection.decisions],
+                "rewritten": substituted_modules(model),
+                "timer_calls": len(calls),
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -27,16 +27,30 @@ class ReportFromRankZero(Callback):
         stats = trainer.strategy.compile_stats
         if trainer.is_global_zero:
             with open(self.path, "w") as f:
-                json.dump({"world_size": trainer.world_size, "steps": trainer.global_step,
-                           "compiled": stats.graphs + stats.reused_frames, "skipped": stats.skipped_frames,
-                           "forward_patched": "forward" in pl_module.__dict__}, f)  # restored in teardown
+                json.dump(
+                    {
+                        "world_size": trainer.world_size,
+                        "steps": trainer.global_step,
+                        "compiled": stats.graphs + stats.reused_frames,
+                        "skipped": stats.skipped_frames,
+                        "forward_patched": "forward" in pl_module.__dict__,
+                    },
+                    f,
+                )  # restored in teardown
 
 
 def main(out: str, names: list[str]) -> None:
     for name in names:
         report = ReportFromRankZero(os.path.join(out, f"{name}.json"))
-        trainer = L.Trainer(**{**TRAINER_KWARGS, "devices": 2, "strategy": name, "callbacks": [report],
-                               "limit_train_batches": 2})
+        trainer = L.Trainer(
+            **{
+                **TRAINER_KWARGS,
+                "devices": 2,
+                "strategy": name,
+                "callbacks": [report],
+                "limit_train_batches": 2,
+            }
+        )
         trainer.fit(LinearModule(), make_vector_loader())
 
 

@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from script_loader import load_script
 from torch import nn
 
 from kernels.tolerances import tolerance
@@ -49,6 +48,7 @@ from lightning_plugin.substitution import (
     substituted_modules,
     undo_substitutions,
 )
+from script_loader import load_script
 from vision.models import airbench, resnet
 
 ALL = frozenset(KNOWN_KERNELS)
@@ -416,7 +416,9 @@ def _compare(
         mode = "train" if training else "eval"
         out_o, grads_o, buffers_o = _run(original, x)
         out_r, grads_r, buffers_r = _run(rewritten, x)
-        torch.testing.assert_close(out_r, out_o, atol=atol, rtol=rtol, msg=lambda m: f"{mode} output: {m}")
+        torch.testing.assert_close(
+            out_r, out_o, atol=atol, rtol=rtol, msg=lambda m, mode=mode: f"{mode} output: {m}"
+        )
         compared = {"grad": (grads_r, grads_o), "buffer": (buffers_r, buffers_o)}
         for what, (values_r, values_o) in compared.items():
             if training and what not in train_compares:
@@ -428,7 +430,7 @@ def _compare(
                     value,
                     atol=10 * atol,
                     rtol=10 * rtol,
-                    msg=lambda m, n=name, w=what: f"{mode} {w} {n}: {m}",
+                    msg=lambda m, n=name, w=what, mode=mode: f"{mode} {w} {n}: {m}",
                 )
 
 

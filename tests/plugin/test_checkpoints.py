@@ -14,7 +14,9 @@ CKPT_KWARGS = {**TRAINER_KWARGS, "enable_checkpointing": True}
 
 def test_saved_keys_are_clean_and_load_into_an_eager_module(tmp_path):
     module = TinyModule()
-    trainer = L.Trainer(strategy=CompiledStrategy(backend="aot_eager"), default_root_dir=tmp_path, **CKPT_KWARGS)
+    trainer = L.Trainer(
+        strategy=CompiledStrategy(backend="aot_eager"), default_root_dir=tmp_path, **CKPT_KWARGS
+    )
     trainer.fit(module, make_loader())
     path = tmp_path / "compiled.ckpt"
     trainer.save_checkpoint(path)
@@ -30,7 +32,9 @@ def test_user_compiled_submodule_saves_clean_keys_and_loads_both_ways(tmp_path):
     module = TinyModule()
     module.net = torch.compile(module.net, backend="aot_eager")
     assert any("_orig_mod" in k for k in module.state_dict())
-    trainer = L.Trainer(strategy=CompiledStrategy(backend="aot_eager"), default_root_dir=tmp_path, **CKPT_KWARGS)
+    trainer = L.Trainer(
+        strategy=CompiledStrategy(backend="aot_eager"), default_root_dir=tmp_path, **CKPT_KWARGS
+    )
     trainer.fit(module, make_loader())
     path = tmp_path / "user_compiled.ckpt"
     trainer.save_checkpoint(path)
@@ -39,8 +43,11 @@ def test_user_compiled_submodule_saves_clean_keys_and_loads_both_ways(tmp_path):
     # Resume that clean checkpoint into the user's compiled module under the strategy.
     again = TinyModule()
     again.net = torch.compile(again.net, backend="aot_eager")
-    resumed = L.Trainer(strategy=CompiledStrategy(backend="aot_eager"), default_root_dir=tmp_path,
-                        **{**CKPT_KWARGS, "max_epochs": 2})
+    resumed = L.Trainer(
+        strategy=CompiledStrategy(backend="aot_eager"),
+        default_root_dir=tmp_path,
+        **{**CKPT_KWARGS, "max_epochs": 2},
+    )
     resumed.fit(again, make_loader(), ckpt_path=path)
     assert resumed.global_step == 2 * trainer.global_step
 

@@ -60,7 +60,9 @@ def test_same_losses_as_eager_with_inductor():
     fit(compiled, strategy, validate=False, max_epochs=2)
     assert strategy.compile_stats.graphs >= 1 and not strategy.compile_stats.fell_back
     # fp32 on CPU: reassociation inside fused kernels changes the last bits only.
-    torch.testing.assert_close(torch.tensor(compiled.train_losses), torch.tensor(eager.train_losses), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(compiled.train_losses), torch.tensor(eager.train_losses), rtol=1e-4, atol=1e-5
+    )
     for (name, p_eager), p_compiled in zip(eager.state_dict().items(), compiled.state_dict().values()):
         torch.testing.assert_close(p_compiled, p_eager, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -149,7 +151,8 @@ def test_user_errors_are_not_hidden_by_the_fallback():
     strategy = CompiledStrategy(backend="aot_eager")
     trainer = L.Trainer(strategy=strategy, **TRAINER_KWARGS)
     wrong_shape = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(4, 5, 8, 8), torch.zeros(4, dtype=torch.long)), batch_size=4
+        torch.utils.data.TensorDataset(torch.randn(4, 5, 8, 8), torch.zeros(4, dtype=torch.long)),
+        batch_size=4,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -219,8 +222,10 @@ def _compiled_submodule_by_module_compile(module):
         (_compiled_whole_by_torch_compile, r"passed to the Trainer as torch\.compile\(model\)"),
         (_compiled_whole_by_module_compile, r"'TinyModule' was compiled with nn\.Module\.compile\(\)"),
         (_compiled_nested_submodule, r"submodule 'net\.blocks\.1' is a torch\.compile'd module"),
-        (_compiled_submodule_by_module_compile,
-         r"submodule 'net\.head' was compiled with nn\.Module\.compile\(\)"),
+        (
+            _compiled_submodule_by_module_compile,
+            r"submodule 'net\.head' was compiled with nn\.Module\.compile\(\)",
+        ),
     ],
     ids=["torch.compile(module)", "module.compile()", "torch.compile(submodule)", "submodule.compile()"],
 )

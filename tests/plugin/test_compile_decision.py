@@ -1,8 +1,8 @@
 """compile="auto"/"always"/"never": the strategy measures compiled against eager steps and keeps the faster.
 
 The compiled side is made slow with a backend that adds a second to the step clock in every graph call, the
-eager side with a forward that does so only when dynamo is not tracing it (a virtual second: the machine's load
-cannot change the outcome); both keep the model's maths, so weights can be compared.
+eager side with a forward that does so only when dynamo is not tracing it (a virtual second: the machine's
+load cannot change the outcome); both keep the model's maths, so weights can be compared.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import lightning_plugin
 from boring import TRAINER_KWARGS, TinyModule, make_loader
@@ -37,6 +36,8 @@ def virtual_clock() -> float:
 
 def _delay() -> None:
     _delays[0] += DELAY_S
+
+
 #: warm-up, one eager warm-up step, then SAMPLES each way
 STEPS_TO_DECIDE = WARMUP_STEPS + 1 + 2 * SAMPLES
 
@@ -72,7 +73,9 @@ def _own_decision_cache_and_clock(tmp_path, monkeypatch):
 
 def _fit(module, backend, steps: int = 16, **settings) -> L.Trainer:
     strategy = lightning_plugin.CompiledStrategy(backend=backend, **settings)
-    trainer = L.Trainer(**{**TRAINER_KWARGS, "max_epochs": 1, "limit_train_batches": steps}, strategy=strategy)
+    trainer = L.Trainer(
+        **{**TRAINER_KWARGS, "max_epochs": 1, "limit_train_batches": steps}, strategy=strategy
+    )
     trainer.fit(module, make_loader(n=8 * steps, batch_size=8))
     return trainer
 
@@ -92,7 +95,9 @@ def test_slow_compiled_side_switches_to_eager_with_one_line(caplog):
     assert f"{decision.speedup:.2f}x" in lines[0] and "compile='always'" in lines[0]
     stats = trainer.strategy.compile_stats
     assert stats.decision == "eager" and stats.speedup == decision.speedup
-    assert stats.as_dict()["trains_eagerly"] == 1.0 and stats.as_dict()["speedup_vs_eager"] == decision.speedup
+    assert (
+        stats.as_dict()["trains_eagerly"] == 1.0 and stats.as_dict()["speedup_vs_eager"] == decision.speedup
+    )
 
 
 def test_fast_compiled_side_keeps_compiling():
@@ -133,7 +138,8 @@ def test_weights_after_switching_equal_an_eager_fit():
     trainer = _fit(switched, slow_backend, steps=STEPS_TO_DECIDE + 3)
     assert trainer.strategy.compile_decision.choice == "eager"
     L.Trainer(**{**TRAINER_KWARGS, "limit_train_batches": STEPS_TO_DECIDE + 3}).fit(
-        eager, make_loader(n=8 * (STEPS_TO_DECIDE + 3), batch_size=8))
+        eager, make_loader(n=8 * (STEPS_TO_DECIDE + 3), batch_size=8)
+    )
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(switched.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
@@ -158,12 +164,21 @@ def test_cached_eager_decision_in_a_new_process(tmp_path):
     results = []
     for run in range(2):
         out = tmp_path / f"run{run}.json"
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "decision_script.py"), str(out), "1"],
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "decision_script.py"), str(out), "1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(json.loads(out.read_text()))
-    assert results[0]["decision"] == "eager" and results[0]["source"] == "measured" and results[0]["graphs"] > 0
-    assert results[1]["decision"] == "eager" and results[1]["source"] == "cached" and results[1]["graphs"] == 0
+    assert (
+        results[0]["decision"] == "eager" and results[0]["source"] == "measured" and results[0]["graphs"] > 0
+    )
+    assert (
+        results[1]["decision"] == "eager" and results[1]["source"] == "cached" and results[1]["graphs"] == 0
+    )
 
 
 def test_cached_compiled_decision_skips_the_measurement():
@@ -220,8 +235,13 @@ def test_ddp_ranks_follow_rank_zero(tmp_path):
     out = tmp_path / "ddp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", CACHE_DIR_ENV: str(tmp_path / "decisions")}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "decision_script.py"), str(out), "2"],
-                          env=env, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "decision_script.py"), str(out), "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"ddp.json.rank{r}").read_text()) for r in range(2)]
     assert [r["decision"] for r in ranks] == ["eager", "eager"]

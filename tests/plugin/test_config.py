@@ -23,10 +23,18 @@ from lightning_plugin import CompileConfig, CompiledStrategy
         ({"dynamic": "auto"}, TypeError, "dynamic must be None, True or False"),
         ({"options": ["shape_padding"]}, TypeError, "options must be a dict"),
         ({"options": {1: True}}, TypeError, "options must be a dict with str keys"),
-        ({"mode": "max-autotune", "options": {"shape_padding": True}}, ValueError, "either `mode` or `options`"),
+        (
+            {"mode": "max-autotune", "options": {"shape_padding": True}},
+            ValueError,
+            "either `mode` or `options`",
+        ),
         ({"fallback": "ignore"}, ValueError, r"fallback='ignore' is not one of"),
         ({"kernels": "conv"}, ValueError, r"unknown substitution\(s\) \['conv'\]"),
-        ({"kernels": ["batch_norm_act", "fast_conv"]}, ValueError, r"unknown substitution\(s\) \['fast_conv'\]"),
+        (
+            {"kernels": ["batch_norm_act", "fast_conv"]},
+            ValueError,
+            r"unknown substitution\(s\) \['fast_conv'\]",
+        ),
         ({"kernels": ["bn_act"]}, ValueError, r"'bn_act' is now called 'batch_norm_act'"),
         ({"kernels": 5}, TypeError, "kernels must be a string or a list"),
     ],
@@ -39,7 +47,9 @@ def test_bad_values(kwargs, error, match):
 
 
 def test_good_values_round_trip():
-    config = CompileConfig(mode="max-autotune", fullgraph=True, dynamic=False, kernels=["batch_norm_act"], regional=True)
+    config = CompileConfig(
+        mode="max-autotune", fullgraph=True, dynamic=False, kernels=["batch_norm_act"], regional=True
+    )
     assert config.resolve_kernels(torch.device("cpu")) == frozenset({"batch_norm_act"})
     assert config.compile_kwargs() == {"fullgraph": True, "dynamic": False}
     assert config.replace(mode=None).mode is None

@@ -25,7 +25,10 @@ CPU = torch.device("cpu")
 def _compile_for_real():
     """Compile each graph here (no FX/AOT cache hits), so the layout spy sees Inductor decide."""
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
         yield
     torch._dynamo.reset()
 
@@ -49,8 +52,12 @@ class SmallCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
-            nn.Conv2d(4, 6, 3, stride=2, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+            nn.Conv2d(3, 4, 3, padding=1, bias=False),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 6, 3, stride=2, padding=1),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
         )
         self.head = nn.Linear(6, 3)
 
@@ -64,7 +71,7 @@ def resnet18_fragment() -> nn.Module:
     return nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1)
 
 
-# ---------------------------------------------------------------------------------------------- when it applies
+# -------------------------------------------------------------------------------------------- when it applies
 @pytest.mark.parametrize(
     ("backend", "mode", "options", "device", "expected"),
     [
@@ -84,14 +91,19 @@ def test_applies_only_to_plain_inductor_on_cpu(backend, mode, options, device, e
 
 def test_make_backend_tunes_inductor_on_cpu_and_keeps_user_options():
     stats = CompileStats()
-    assert make_backend("inductor", None, None, None, stats, CPU).inner.config == {"layout_optimization": False}
+    assert make_backend("inductor", None, None, None, stats, CPU).inner.config == {
+        "layout_optimization": False
+    }
     assert make_backend("inductor", None, None, None, stats, torch.device("cuda")).inner.config == {}
     user = make_backend("inductor", None, {"shape_padding": True}, None, stats, CPU).inner
     assert user.config == {"shape_padding": True}
-    assert "layout_optimization" not in make_backend("inductor", "max-autotune", None, None, stats, CPU).inner.config
+    assert (
+        "layout_optimization"
+        not in make_backend("inductor", "max-autotune", None, None, stats, CPU).inner.config
+    )
 
 
-# ---------------------------------------------------------------------------------------------- active in a fit
+# -------------------------------------------------------------------------------------------- active in a fit
 class _Classifier(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -110,17 +122,27 @@ class _Classifier(L.LightningModule):
 
 def _fit(strategy) -> None:
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(6, 3, 9, 7, generator=g), torch.randint(0, 3, (6,), generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(6, 3, 9, 7, generator=g), torch.randint(0, 3, (6,), generator=g)
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(_Classifier(), torch.utils.data.DataLoader(data, batch_size=3))
 
 
 def test_a_compiled_fit_on_cpu_leaves_the_layout_alone(layout_decisions):
     _fit("compiled")
-    assert layout_decisions and not any(layout_decisions)  # stock Inductor answers True for mkldnn convs on CPU
+    assert layout_decisions and not any(
+        layout_decisions
+    )  # stock Inductor answers True for mkldnn convs on CPU
 
 
 def test_user_options_switch_the_tuning_off(layout_decisions):
@@ -168,14 +190,17 @@ def test_compiled_training_with_the_tuning_matches_eager_in_float64(build, shape
     for want, got in zip(_train_steps(eager, batches), _train_steps(compiled, batches)):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
     for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+        torch.testing.assert_close(
+            p_compiled.grad, p_eager.grad, rtol=1e-9, atol=1e-10, msg=f"grad of {name}"
+        )
         torch.testing.assert_close(p_compiled, p_eager, rtol=1e-9, atol=1e-10, msg=name)
     for (name, b_eager), b_compiled in zip(eager.named_buffers(), compiled.buffers()):
-        torch.testing.assert_close(b_compiled, b_eager, rtol=1e-9, atol=1e-10, msg=name)  # running stats, counts
+        torch.testing.assert_close(
+            b_compiled, b_eager, rtol=1e-9, atol=1e-10, msg=name
+        )  # running stats, counts
 
     eager.eval()
     compiled.eval()
     torch.testing.assert_close(compiled(batches[0]), eager(batches[0]), rtol=1e-9, atol=1e-10)
     assert compiler.stats.graphs >= 2 and not compiler.stats.fell_back
     compiler.restore(compiled)
-

@@ -25,7 +25,10 @@ def test_compiled_ddp_matches_single_process_eager(tmp_path):
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "ddp_script.py"), out, "inductor"],
-        env=env, capture_output=True, text=True, timeout=540,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out + ".json") as f:

@@ -54,7 +54,10 @@ def test_ddp_ranks_run_rank_zeros_decisions(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, script, str(rank), port, str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]
@@ -106,8 +109,15 @@ def _loader(n: int = 8) -> DataLoader:
 
 def _trainer(**kwargs) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_train_batches=2, limit_val_batches=1,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_train_batches=2,
+        limit_val_batches=1,
     )
     return L.Trainer(**{**defaults, **kwargs})
 
@@ -208,8 +218,15 @@ def test_regional_compile_selects_before_any_block_is_traced(
     module = ResNetModule(call_forward_directly)
     strategy = CompiledStrategy(backend="eager", regional=True)
     data = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))), batch_size=4)
-    blocks = ["net.layer1.0", "net.layer2.0", "net.layer2.0.downsample", "net.layer3.0",
-              "net.layer3.0.downsample", "net.layer4.0", "net.layer4.0.downsample"]
+    blocks = [
+        "net.layer1.0",
+        "net.layer2.0",
+        "net.layer2.0.downsample",
+        "net.layer3.0",
+        "net.layer3.0.downsample",
+        "net.layer4.0",
+        "net.layer4.0.downsample",
+    ]
     if call_forward_directly:
         # The root's pre-hook never fires and the first compiled block cannot know its neighbours' inputs:
         # nothing is measured, so nothing stays fused.

@@ -8,13 +8,23 @@ import torch.nn.functional as F
 
 from boring import make_vector_loader
 
-pl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed; lightning.pytorch only")
+pl = pytest.importorskip(
+    "pytorch_lightning", reason="pytorch_lightning is not installed; lightning.pytorch only"
+)
 
 import lightning_plugin  # noqa: E402
 from lightning_plugin import pytorch_lightning_support  # noqa: E402
 
-TRAINER_KWARGS = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_train_batches=2)
+TRAINER_KWARGS = dict(
+    accelerator="cpu",
+    devices=1,
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_train_batches=2,
+)
 
 
 class StandaloneModule(pl.LightningModule):
@@ -59,11 +69,16 @@ def test_every_name_is_registered_in_both_namespaces():
     assert ours == sorted(n for n in standalone.available_strategies() if n.startswith("compiled"))
     for name in ours:
         assert standalone[name]["init_params"] == UnifiedRegistry[name]["init_params"]
-        expected = (pytorch_lightning_support.CompiledDDPStrategy if "ddp" in name
-                    else pytorch_lightning_support.CompiledStrategy)
+        expected = (
+            pytorch_lightning_support.CompiledDDPStrategy
+            if "ddp" in name
+            else pytorch_lightning_support.CompiledStrategy
+        )
         assert standalone[name]["strategy"] is expected
-    assert isinstance(pl.Trainer(strategy="compiled_ddp_spawn", accelerator="cpu", devices=2, logger=False).strategy,
-                      pl.strategies.DDPStrategy)
+    assert isinstance(
+        pl.Trainer(strategy="compiled_ddp_spawn", accelerator="cpu", devices=2, logger=False).strategy,
+        pl.strategies.DDPStrategy,
+    )
 
 
 def test_an_instance_of_the_other_namespace_is_refused_by_name():

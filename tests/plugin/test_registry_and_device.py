@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from boring import TinyModule
 from lightning.pytorch.strategies import StrategyRegistry
 
+from boring import TinyModule
 from lightning_plugin import CompileConfig, CompiledDDPStrategy, CompiledStrategy
 
 
@@ -86,9 +86,9 @@ def one_cuda_device(monkeypatch):
 
 def test_device_follows_the_accelerator(one_cuda_device):
     # The pitfall (Lightning #18902): the built-in single_device strategy resolved by name stays on the CPU.
-    assert L.Trainer(accelerator="cuda", devices=1, strategy="single_device", logger=False).strategy.root_device == (
-        torch.device("cpu")
-    )
+    assert L.Trainer(
+        accelerator="cuda", devices=1, strategy="single_device", logger=False
+    ).strategy.root_device == (torch.device("cpu"))
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy="compiled", logger=False)
     assert trainer.strategy.root_device == torch.device("cuda", 0)
     by_instance = L.Trainer(accelerator="cuda", devices=1, strategy=CompiledStrategy(), logger=False)

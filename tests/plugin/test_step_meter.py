@@ -55,8 +55,9 @@ def test_a_run_resumed_mid_epoch_counts_no_wait_before_its_first_step():
 def test_every_reading_follows_a_synchronisation():
     events: list[str] = []
     clock = iter(range(10))
-    meter = StepMeter(clock=lambda: (events.append("clock"), next(clock))[1],
-                      synchronize=lambda: events.append("sync"))
+    meter = StepMeter(
+        clock=lambda: (events.append("clock"), next(clock))[1], synchronize=lambda: events.append("sync")
+    )
     meter.discard()
     meter.step_started()
     meter.step_ended(1)

@@ -19,7 +19,10 @@ from boring import TRAINER_KWARGS, LinearModule, TinyModule, make_loader, make_v
 from lightning_plugin import CompiledDDPStrategy, CompiledStrategy
 
 SINGLE_DEVICE_NAMES = ["compiled", "compiled_max_autotune", "compiled_reduce_overhead", "compiled_regional"]
-ONE_PROCESS_DDP_NAMES = ["compiled_ddp", "compiled_ddp_find_unused_parameters_true"]  # popen: would relaunch pytest
+ONE_PROCESS_DDP_NAMES = [
+    "compiled_ddp",
+    "compiled_ddp_find_unused_parameters_true",
+]  # popen: would relaunch pytest
 TWO_PROCESS_DDP_NAMES = ["compiled_ddp_spawn", "compiled_ddp_fork", "compiled_ddp_notebook"]
 HERE = os.path.dirname(__file__)
 
@@ -58,7 +61,10 @@ def test_names_fit_on_two_cpu_processes(tmp_path):
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "names_script.py"), str(tmp_path), *TWO_PROCESS_DDP_NAMES],
-        env=env, capture_output=True, text=True, timeout=380,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in TWO_PROCESS_DDP_NAMES:
@@ -72,7 +78,11 @@ def test_names_fit_on_two_cpu_processes(tmp_path):
 
 @pytest.mark.parametrize(
     "strategy",
-    [CompiledStrategy(), CompiledStrategy(backend="aot_eager", regional=True), CompiledDDPStrategy(start_method="spawn")],
+    [
+        CompiledStrategy(),
+        CompiledStrategy(backend="aot_eager", regional=True),
+        CompiledDDPStrategy(start_method="spawn"),
+    ],
     ids=["compiled", "compiled-regional", "compiled_ddp_spawn"],
 )
 def test_strategy_pickles_and_deep_copies(strategy):
@@ -94,12 +104,19 @@ class CopiesTrainerDuringFit(Callback):
 
 
 @pytest.mark.parametrize(
-    "strategy", [lambda: "auto", lambda: CompiledStrategy(backend="aot_eager")], ids=["lightning-own", "compiled"]
+    "strategy",
+    [lambda: "auto", lambda: CompiledStrategy(backend="aot_eager")],
+    ids=["lightning-own", "compiled"],
 )
 def test_trainer_and_callbacks_pickle_and_deep_copy_during_fit(strategy):
     copier = CopiesTrainerDuringFit()
     trainer = L.Trainer(
-        **{**TRAINER_KWARGS, "strategy": strategy(), "callbacks": [HoldsTrainer(), copier], "limit_train_batches": 1}
+        **{
+            **TRAINER_KWARGS,
+            "strategy": strategy(),
+            "callbacks": [HoldsTrainer(), copier],
+            "limit_train_batches": 1,
+        }
     )
     trainer.fit(TinyModule(), make_loader())
     assert type(copier.pickled.strategy) is type(trainer.strategy)

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from boring import TRAINER_KWARGS
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from boring import TRAINER_KWARGS
 from kernels.tolerances import tolerance
 from lightning_plugin import KNOWN_KERNELS, CompiledStrategy
 from lightning_plugin.substitution import (
@@ -162,7 +162,16 @@ def test_sequential_patterns_and_numerics():
     report = apply_substitutions(fused, ALL)
     assert [r.path for r in report.replacements] == ["Sequential"]
     plan = getattr(fused, PLAN_ATTR)
-    assert [step[0] for step in plan] == ["conv_bn_act", "call", "batch_norm_act", "group_norm_act", "layer_norm2d_act", "call", "call", "call"]
+    assert [step[0] for step in plan] == [
+        "conv_bn_act",
+        "call",
+        "batch_norm_act",
+        "group_norm_act",
+        "layer_norm2d_act",
+        "call",
+        "call",
+        "call",
+    ]
     x = torch.randn(2, 3, 5, 7)
     _assert_close(fused(x), eager(x))
     _assert_close(fused[4].running_var, eager[4].running_var, msg="grouped conv's BN running_var")
@@ -199,7 +208,9 @@ def test_torchvision_resnet18_is_rewritten_correctly(reference_ops):
         "layer4.0.downsample",
         "layer4.1",
     ]
-    assert report.replacements[0].description.startswith("ResNet._forward_impl: conv1+bn1+relu -> conv_bn_act")
+    assert report.replacements[0].description.startswith(
+        "ResNet._forward_impl: conv1+bn1+relu -> conv_bn_act"
+    )
     assert list(fused.state_dict()) == keys
     x = torch.randn(2, 3, 64, 64)
     out_e, out_f = eager(x), fused(x)
@@ -338,7 +349,9 @@ def test_trainer_compiled_strategy_with_substitutions(caplog, reference_ops):
     eager_module = _TinyResNetModule()
     fused_module = copy.deepcopy(eager_module)
     L.Trainer(**TRAINER_KWARGS).fit(eager_module, DataLoader(data, batch_size=4))
-    strategy = CompiledStrategy(backend="aot_eager", kernels=["conv_bn_act", "batch_norm_act"], fullgraph=True)
+    strategy = CompiledStrategy(
+        backend="aot_eager", kernels=["conv_bn_act", "batch_norm_act"], fullgraph=True
+    )
     record = _RecordBlocks()
     with caplog.at_level(logging.INFO):
         L.Trainer(strategy=strategy, callbacks=[record], **TRAINER_KWARGS).fit(
@@ -395,7 +408,9 @@ def test_float64_training_keeps_blocks_eager_and_says_why(caplog):
     strategy = CompiledStrategy(backend="aot_eager", kernels="all")
     record = _RecordBlocks()
     with caplog.at_level(logging.INFO):
-        L.Trainer(strategy=strategy, callbacks=[record], **kwargs).fit(fused_module, DataLoader(data, batch_size=4))
+        L.Trainer(strategy=strategy, callbacks=[record], **kwargs).fit(
+            fused_module, DataLoader(data, batch_size=4)
+        )
     assert record.blocks == []
     assert "no kernel substitutions applied" in caplog.text
     assert "not fused: net.layer1.0: bn1: BatchNorm2d.weight is float64" in caplog.text
@@ -405,7 +420,8 @@ def test_float64_training_keeps_blocks_eager_and_says_why(caplog):
 
 
 def test_an_input_of_a_dtype_no_kernel_takes_runs_the_blocks_eager():
-    """A model rewritten in fp32 and then converted (``.double()``) runs its own modules instead of failing."""
+    """A model rewritten in fp32 and then converted (``.double()``) runs its own modules instead of
+    failing."""
     model = tiny_resnet()
     eager = copy.deepcopy(model).double()
     apply_substitutions(model, ALL)

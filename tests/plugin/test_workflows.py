@@ -71,7 +71,8 @@ def test_every_fit_of_many_runs_compiled(new_module_each_fit):
 
 
 def test_alternating_compile_settings_stay_compiled():
-    """A sweep over compile settings: each setting's graphs must not use up the others' room in dynamo's cache."""
+    """A sweep over compile settings: each setting's graphs must not use up the others' room in dynamo's
+    cache."""
     counters = [GraphRunCounter(), GraphRunCounter(), GraphRunCounter()]
     module = TinyModule()
     for fit_index in range(5):
@@ -84,7 +85,10 @@ def test_alternating_compile_settings_stay_compiled():
 def test_dynamo_giving_up_on_a_frame_is_reported():
     strategy = CompiledStrategy(backend="aot_eager", compile="always")
     # One graph per frame allowed: the smaller last batch and validation would need more, so dynamo gives up.
-    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match=r"ran .*eagerly.*recompile limit"):
+    with (
+        torch._dynamo.config.patch(recompile_limit=1),
+        pytest.warns(UserWarning, match=r"ran .*eagerly.*recompile limit"),
+    ):
         fit(TinyModule(), strategy)
     stats = strategy.compile_stats
     assert stats.skipped_frames and "recompile limit" in stats.skipped_frames[0]
@@ -195,8 +199,12 @@ class WallClock(Callback):
 def test_compile_time_counts_each_second_once():
     clock = WallClock()
     strategy = CompiledStrategy()  # inductor: the backward compile is a large share
-    # Inductor's on-disk caches would skip the backward compile whose time was counted twice: compile for real.
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    # Inductor's on-disk caches would skip the backward compile whose time was counted twice: compile for
+    # real.
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
         fit(TinyModule(), strategy, callbacks=[clock], limit_val_batches=0)
     stats = strategy.compile_stats
     assert 0 < stats.backend_time_s <= stats.compile_time_s < clock.seconds, (stats.summary(), clock.seconds)
@@ -217,7 +225,9 @@ def test_compile_time_leaves_out_other_compiles_in_the_process():
     # The other compile is not the strategy's: neither its frame nor its time is counted.
     stats = strategy.compile_stats
     assert stats.compile_time_s < OTHER_COMPILE_S, stats.summary()
-    assert [r.code_name for r in stats.frame_records] == ["forward"] * 3  # first, smaller last batch, validation
+    assert [r.code_name for r in stats.frame_records] == [
+        "forward"
+    ] * 3  # first, smaller last batch, validation
 
 
 # ------------------------------------------------------------------------------ defect 5: fullgraph

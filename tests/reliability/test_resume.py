@@ -82,7 +82,9 @@ class Regressor(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def make_trainer(root: Path, callbacks: list[Callback], strategy: Any = "auto", **overrides: Any) -> pl.Trainer:
+def make_trainer(
+    root: Path, callbacks: list[Callback], strategy: Any = "auto", **overrides: Any
+) -> pl.Trainer:
     kwargs: dict[str, Any] = dict(
         default_root_dir=str(root),
         accelerator="cpu",
@@ -191,7 +193,9 @@ def test_default_dirpath_is_the_runs_checkpoint_folder(tmp_path, uninterrupted) 
 
     saver = FaultTolerantCheckpoint()
     assert saver.ckpt_path is None  # nothing to auto-resume from before the run's folder is known
-    trainer = make_trainer(tmp_path, [saver, ModelCheckpoint()], logger=TensorBoardLogger(str(tmp_path), name="run"))
+    trainer = make_trainer(
+        tmp_path, [saver, ModelCheckpoint()], logger=TensorBoardLogger(str(tmp_path), name="run")
+    )
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.fit(fresh_model(fail_at_step=7), ResumableBatches())
     expected = tmp_path / "run" / "version_0" / "checkpoints" / "interrupted.ckpt"
@@ -217,7 +221,9 @@ def test_failure_before_the_first_step_saves_nothing(tmp_path) -> None:
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
-def test_clean_finish_in_another_folder_removes_the_checkpoint_it_resumed_from(tmp_path, uninterrupted) -> None:
+def test_clean_finish_in_another_folder_removes_the_checkpoint_it_resumed_from(
+    tmp_path, uninterrupted
+) -> None:
     """lcv gives a resumed run a new version folder: the interrupted checkpoint of the first folder must go
     when the run it holds has finished."""
     first, second = tmp_path / "version_0", tmp_path / "version_1"
@@ -226,7 +232,9 @@ def test_clean_finish_in_another_folder_removes_the_checkpoint_it_resumed_from(t
         make_trainer(first, [saver]).fit(fresh_model(fail_at_step=7), ResumableBatches())
     assert os.path.exists(saver.ckpt_path)
     model = fresh_model(seed=123)
-    make_trainer(second, [FaultTolerantCheckpoint(second)]).fit(model, ResumableBatches(), ckpt_path=saver.ckpt_path)
+    make_trainer(second, [FaultTolerantCheckpoint(second)]).fit(
+        model, ResumableBatches(), ckpt_path=saver.ckpt_path
+    )
     _assert_same_weights(_state(model), uninterrupted)
     assert not list(tmp_path.rglob("*.ckpt"))
 
@@ -235,11 +243,13 @@ def test_a_resumed_checkpoint_that_is_not_an_interrupt_checkpoint_stays(tmp_path
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     keeper = ModelCheckpoint(tmp_path / "kept", save_last=True)
-    make_trainer(tmp_path, [keeper, FaultTolerantCheckpoint(tmp_path)], max_epochs=1).fit(fresh_model(),
-                                                                                        ResumableBatches())
+    make_trainer(tmp_path, [keeper, FaultTolerantCheckpoint(tmp_path)], max_epochs=1).fit(
+        fresh_model(), ResumableBatches()
+    )
     last = keeper.last_model_path
-    make_trainer(tmp_path / "more", [FaultTolerantCheckpoint(tmp_path / "more")]).fit(fresh_model(), ResumableBatches(),
-                                                                                      ckpt_path=last)
+    make_trainer(tmp_path / "more", [FaultTolerantCheckpoint(tmp_path / "more")]).fit(
+        fresh_model(), ResumableBatches(), ckpt_path=last
+    )
     assert os.path.exists(last)
 
 

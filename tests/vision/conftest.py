@@ -9,8 +9,9 @@ import pytest
 from PIL import Image
 
 
-def write_image_folder(root: Path, splits: dict[str, int], classes: int, sizes: list[tuple[int, int]],
-                       seed: int = 0) -> Path:
+def write_image_folder(
+    root: Path, splits: dict[str, int], classes: int, sizes: list[tuple[int, int]], seed: int = 0
+) -> Path:
     """``root/<split>/<class>/<i>.png`` with ``splits[split]`` images per class, cycling through ``sizes``.
 
     Each class has its own mean colour, so a model can tell them apart."""

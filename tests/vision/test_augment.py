@@ -1,4 +1,5 @@
-"""The recipe-level batch ops (alternating flip, TrivialAugmentWide) and the AugmentConfig -> Pipeline mapping."""
+"""The recipe-level batch ops (alternating flip, TrivialAugmentWide) and the AugmentConfig -> Pipeline
+mapping."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from vision.data.color import ColorJitter, Normalize
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import HorizontalFlip, RandomCrop, RandomResizedCrop
 from vision.data.mixing import MixupCutmix
-from vision.recipes import AlternatingFlipCrop, AugmentConfig, TrivialAugmentWide, build_train_pipeline, get_recipe
 from vision.data.trivial_augment import TRIVIAL_AUGMENT_OPS
+from vision.recipes import (
+    AlternatingFlipCrop,
+    AugmentConfig,
+    TrivialAugmentWide,
+    build_train_pipeline,
+    get_recipe,
+)
 
 
 def _store(n: int = 16) -> torch.Tensor:
@@ -51,7 +58,9 @@ def test_alternating_flip_translates_like_random_crop_and_falls_back_with_a_warn
     assert torch.equal(op.apply(store, params, index=index), expected)
     with pytest.warns(UserWarning, match="independent random flips"):
         out = op.apply(store, params)
-    expected = crop.apply(store, {"top": params["top"], "left": params["left"], "flip": params["random_flip"]})
+    expected = crop.apply(
+        store, {"top": params["top"], "left": params["left"], "flip": params["random_flip"]}
+    )
     assert torch.equal(out, expected)
 
 
@@ -77,8 +86,11 @@ def test_trivial_augment_matches_torchvision_given_the_same_draws():
         torch.manual_seed(100 + i)
         expected.append(reference(images[i]))
         draws.append(_torchvision_draws(100 + i))
-    params = {"op": torch.tensor([d[0] for d in draws]), "bin": torch.tensor([d[1] for d in draws]),
-              "negate": torch.tensor([d[2] for d in draws])}
+    params = {
+        "op": torch.tensor([d[0] for d in draws]),
+        "bin": torch.tensor([d[1] for d in draws]),
+        "negate": torch.tensor([d[2] for d in draws]),
+    }
     assert len(set(params["op"].tolist())) >= 10  # most ops are exercised
     out = TrivialAugmentWide().apply(images, params)
     assert torch.equal(out, torch.stack(expected))
@@ -91,8 +103,11 @@ def test_trivial_augment_draws_per_sample_and_accepts_float_input():
     assert counts.min() > 0.7 * 4000 / 14 and counts.max() < 1.3 * 4000 / 14
     assert 0.45 < params["negate"].float().mean() < 0.55
     images = torch.rand(3, 3, 8, 8) * 255
-    ident = {"op": torch.zeros(3, dtype=torch.long), "bin": torch.zeros(3, dtype=torch.long),
-             "negate": torch.zeros(3, dtype=torch.bool)}
+    ident = {
+        "op": torch.zeros(3, dtype=torch.long),
+        "bin": torch.zeros(3, dtype=torch.long),
+        "negate": torch.zeros(3, dtype=torch.bool),
+    }
     assert torch.equal(op.apply(images, ident), images.round().to(torch.uint8))
 
 
@@ -101,8 +116,9 @@ def _types(pipeline) -> list[type]:
 
 
 def _pipeline(recipe: str, num_classes: int = 10):
-    return build_train_pipeline(get_recipe(recipe).augment, mean=(0.5,) * 3, std=(0.25,) * 3, image_size=32,
-                                num_classes=num_classes)
+    return build_train_pipeline(
+        get_recipe(recipe).augment, mean=(0.5,) * 3, std=(0.25,) * 3, image_size=32, num_classes=num_classes
+    )
 
 
 def test_recipe_pipelines_have_the_recipe_ops_in_order():
@@ -110,11 +126,28 @@ def test_recipe_pipelines_have_the_recipe_ops_in_order():
     assert _types(_pipeline("cifar10-resnet18")) == [RandomCrop, HorizontalFlip, Normalize, CoarseDropout]
     assert _types(_pipeline("digits-small")) == [RandomCrop, Normalize]
     assert _types(_pipeline("imagefolder-resnet50", 5)) == [
-        RandomResizedCrop, HorizontalFlip, TrivialAugmentWide, Normalize, Erasing, MixupCutmix]
+        RandomResizedCrop,
+        HorizontalFlip,
+        TrivialAugmentWide,
+        Normalize,
+        Erasing,
+        MixupCutmix,
+    ]
     assert _types(_pipeline("cifar10-vit")) == [
-        RandomCrop, HorizontalFlip, TrivialAugmentWide, Normalize, Erasing, MixupCutmix]
-    jitter = build_train_pipeline(AugmentConfig(color_jitter=0.4, flip="none"), mean=(0.5,) * 3, std=(0.5,) * 3,
-                                  image_size=32, num_classes=10)
+        RandomCrop,
+        HorizontalFlip,
+        TrivialAugmentWide,
+        Normalize,
+        Erasing,
+        MixupCutmix,
+    ]
+    jitter = build_train_pipeline(
+        AugmentConfig(color_jitter=0.4, flip="none"),
+        mean=(0.5,) * 3,
+        std=(0.5,) * 3,
+        image_size=32,
+        num_classes=10,
+    )
     assert _types(jitter) == [ColorJitter, Normalize]
 
 
@@ -128,7 +161,16 @@ def test_pipeline_outputs_and_settings():
     assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32
     assert int((x == 0).all(dim=1).flatten(1).sum(1).min()) >= 64  # an 8x8 hole of zeros per image
     mix = _pipeline("cifar10-vit").ops[-1]
-    assert (mix.mixup_alpha, mix.cutmix_alpha, mix.label_smoothing) == (0.8, 1.0, 0.0)  # smoothing is in the loss
+    assert (mix.mixup_alpha, mix.cutmix_alpha, mix.label_smoothing) == (
+        0.8,
+        1.0,
+        0.0,
+    )  # smoothing is in the loss
     with pytest.raises(ValueError, match="alternating"):
-        build_train_pipeline(AugmentConfig(rrc_scale=(0.5, 1.0), flip="alternating"), mean=(0.5,), std=(0.5,),
-                             image_size=8, num_classes=2)
+        build_train_pipeline(
+            AugmentConfig(rrc_scale=(0.5, 1.0), flip="alternating"),
+            mean=(0.5,),
+            std=(0.5,),
+            image_size=8,
+            num_classes=2,
+        )

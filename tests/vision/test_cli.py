@@ -1,4 +1,5 @@
-"""``lcv`` in-process: listing, errors, how recipe defaults and overrides combine, and a fit/test/predict round trip."""
+"""``lcv`` in-process: listing, errors, how recipe defaults and overrides combine, and a fit/test/predict
+round trip."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_plugin import CompiledStrategy
 from lightning_plugin.callbacks import FaultTolerantCheckpoint, NonFiniteLossGuard, TrainingMonitor
 
-pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+pytest.importorskip(
+    "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
+)
 
 from vision.cli import LcvCLI, _recipe_name, main, run
 from vision.recipes import get_recipe, list_recipes
@@ -57,7 +60,9 @@ def test_unknown_recipe_lists_known_and_suggests(capsys):
 
 def test_usage_errors(capsys):
     assert "needs --recipe NAME" in _error(capsys, ["fit"])
-    assert "unknown subcommand 'tset'. Did you mean 'test'?" in _error(capsys, ["tset", "--recipe", "digits-small"])
+    assert "unknown subcommand 'tset'. Did you mean 'test'?" in _error(
+        capsys, ["tset", "--recipe", "digits-small"]
+    )
     assert "--config 'nope.yaml' does not exist" in _error(capsys, ["fit", "--config", "nope.yaml"])
     with pytest.raises(SystemExit) as info:  # a misspelt option: jsonargparse's own error, also status 2
         main(["fit", "--recipe", "digits-small", "--model.lrr", "0.1"])
@@ -69,27 +74,43 @@ def test_missing_data_root(capsys, tmp_path):
     assert "trains on CIFAR-10: give --data.root DIR" in err and "--data.zip_path FILE" in err
     err = _error(capsys, ["fit", "--recipe", "cifar10-resnet18", "--data.root", str(tmp_path / "nothing")])
     assert "is not a directory; add --data.download true" in err
-    assert "--data.zip_path" in _error(capsys, ["fit", "--recipe", "cifar10-vit", "--data.zip_path", "no.zip"])
+    assert "--data.zip_path" in _error(
+        capsys, ["fit", "--recipe", "cifar10-vit", "--data.zip_path", "no.zip"]
+    )
     assert "give --data.root DIR" in _error(capsys, ["fit", "--recipe", "imagefolder-resnet50"])
 
 
 def test_incompatible_overrides(capsys, tiny_cifar):
-    err = _error(capsys, ["fit", "--recipe", "cifar10-airbench", "--data.zip_path", tiny_cifar,
-                          "--model.ema_decay", "0.9"])
+    err = _error(
+        capsys,
+        ["fit", "--recipe", "cifar10-airbench", "--data.zip_path", tiny_cifar, "--model.ema_decay", "0.9"],
+    )
     assert "invalid settings for recipe 'cifar10-airbench'" in err and "turn on only one" in err
     err = _error(capsys, ["fit", "--recipe", "digits-small", "--model.model", "resnet18"])
     assert "model 'resnet18' does not accept model_kwargs={'widths': [32, 64, 64]}" in err
     assert "--model.model_kwargs '{}'" in err
-    err = _error(capsys, ["fit", "--recipe", "digits-small", "--model.model", "resnet18", "--model.model_kwargs", "{}"])
-    assert "whitening_images=1000 needs a model with a whitening layer" in err and "--model.whitening_images 0" in err
+    err = _error(
+        capsys, ["fit", "--recipe", "digits-small", "--model.model", "resnet18", "--model.model_kwargs", "{}"]
+    )
+    assert (
+        "whitening_images=1000 needs a model with a whitening layer" in err
+        and "--model.whitening_images 0" in err
+    )
 
 
 def test_recipe_defaults_then_config_then_flags(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"model": {"lr": 0.05, "momentum": 0.8}, "trainer": {"max_epochs": 3},
-                                      "data": {"batch_size": 16}}))
-    cli = LcvCLI(get_recipe("digits-small"), gpu=False, run=False,
-                 args=["--config", str(config), "--model.lr", "0.07", "--data.augment.crop_padding", "3"])
+    config.write_text(
+        yaml.safe_dump(
+            {"model": {"lr": 0.05, "momentum": 0.8}, "trainer": {"max_epochs": 3}, "data": {"batch_size": 16}}
+        )
+    )
+    cli = LcvCLI(
+        get_recipe("digits-small"),
+        gpu=False,
+        run=False,
+        args=["--config", str(config), "--model.lr", "0.07", "--data.augment.crop_padding", "3"],
+    )
     hp = cli.model.hparams
     recipe = get_recipe("digits-small")
     assert hp.lr == 0.07 and hp.momentum == 0.8  # flag beats config beats recipe
@@ -105,13 +126,31 @@ def test_recipe_defaults_then_config_then_flags(tmp_path):
 
 
 def test_gpu_defaults_and_their_override():
-    cli = LcvCLI(get_recipe("cifar10-airbench"), gpu=True, run=False,
-                 args=["--data.root", ".", "--trainer.accelerator", "cpu"])
+    cli = LcvCLI(
+        get_recipe("cifar10-airbench"),
+        gpu=True,
+        run=False,
+        args=["--data.root", ".", "--trainer.accelerator", "cpu"],
+    )
     assert isinstance(cli.trainer.strategy, CompiledStrategy) and cli.trainer.precision == "bf16-mixed"
     assert cli.trainer.strategy.compile_config.mode == "max-autotune-no-cudagraphs"
-    cli = LcvCLI(get_recipe("cifar10-airbench"), gpu=True, run=False,
-                 args=["--data.root", ".", "--trainer.accelerator", "cpu", "--trainer.strategy", "auto",
-                       "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false"])
+    cli = LcvCLI(
+        get_recipe("cifar10-airbench"),
+        gpu=True,
+        run=False,
+        args=[
+            "--data.root",
+            ".",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.strategy",
+            "auto",
+            "--trainer.precision",
+            "32-true",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+    )
     assert not isinstance(cli.trainer.strategy, CompiledStrategy) and cli.trainer.precision == "32-true"
     assert not any(isinstance(c, RichProgressBar) for c in cli.trainer.callbacks)
 
@@ -128,17 +167,39 @@ def test_recipe_found_in_config_and_checkpoint(tmp_path):
 
 def test_fit_test_predict_round_trip(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    tiny = ["--model.model_kwargs", '{"widths": [8, 8, 8]}', "--model.whitening_images", "64",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-    fit = run(["fit", "--recipe", "digits-small", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
-               *tiny])
+    tiny = [
+        "--model.model_kwargs",
+        '{"widths": [8, 8, 8]}',
+        "--model.whitening_images",
+        "64",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+    ]
+    fit = run(
+        [
+            "fit",
+            "--recipe",
+            "digits-small",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "4",
+            *tiny,
+        ]
+    )
     out = capsys.readouterr().out
     fitted = fit.test_results["EMA"]["test/acc"]
     log_dir = fit.trainer.logger.log_dir
     last = os.path.join(log_dir, "checkpoints", "last.ckpt")
     assert os.path.isfile(last) and glob.glob(os.path.join(log_dir, "checkpoints", "best-*.ckpt"))
     assert f"test accuracy (EMA weights): {100 * fitted:.2f}%" in out
-    assert f"TensorBoard logs: {log_dir}" in out and f"step {fit.trainer.global_step}): {last}" in out and "images/s" in out
+    assert (
+        f"TensorBoard logs: {log_dir}" in out
+        and f"step {fit.trainer.global_step}): {last}" in out
+        and "images/s" in out
+    )
     assert glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
 
     # test: the recipe comes from the saved config, the weights from the checkpoint
@@ -148,8 +209,17 @@ def test_fit_test_predict_round_trip(tmp_path, monkeypatch, capsys):
 
     # predict: the recipe comes from the checkpoint itself
     path = tmp_path / "preds.pt"
-    predicted = run(["predict", "--ckpt_path", last, "--predictions_path", str(path),
-                     "--trainer.enable_progress_bar", "false"])
+    predicted = run(
+        [
+            "predict",
+            "--ckpt_path",
+            last,
+            "--predictions_path",
+            str(path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     saved = torch.load(path)
     labels = torch.cat([y for _, y in predicted.datamodule.test_dataloader()])
     assert saved["preds"].shape == labels.shape and saved["probs"].shape == (labels.numel(), 10)

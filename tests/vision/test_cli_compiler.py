@@ -1,4 +1,5 @@
-"""``lcv fit`` on the CPU trains with the compiled strategy and its summary ends with what the compiler did."""
+"""``lcv fit`` on the CPU trains with the compiled strategy and its summary ends with what the compiler
+did."""
 
 from __future__ import annotations
 
@@ -10,14 +11,30 @@ import pytest
 from lightning_plugin import CompiledStrategy
 from lightning_plugin.kernel_cache import CACHE_DIR_ENV
 
-pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+pytest.importorskip(
+    "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
+)
 
 from vision.cli import run
 
-TINY = ["--model.model_kwargs", '{"widths": [8, 8, 8]}', "--model.whitening_images", "64",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "1", "--test_after_fit", "false",
-        "--trainer.strategy.backend", "aot_eager"]  # dynamo + AOTAutograd, no C++ compiler: quick
+TINY = [
+    "--model.model_kwargs",
+    '{"widths": [8, 8, 8]}',
+    "--model.whitening_images",
+    "64",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.max_epochs",
+    "1",
+    "--trainer.limit_val_batches",
+    "1",
+    "--test_after_fit",
+    "false",
+    "--trainer.strategy.backend",
+    "aot_eager",
+]  # dynamo + AOTAutograd, no C++ compiler: quick
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +58,12 @@ def test_fit_summary_ends_with_the_compiler_and_the_measured_ratio(capsys):
     assert decision is not None and decision.source == "measured"
     compiler, kernels, ratio = _compiler_lines(capsys.readouterr().out)
     stats = strategy.compile_stats
-    assert re.fullmatch(r"  compiler: [1-9]\d* graph\(s\), 0 graph break\(s\), 0 recompile\(s\), \d+\.\d s "
-                        r"compiling \((\d+ hit\(s\), \d+ miss\(es\) in the on-disk compile caches|no on-disk "
-                        r"cache used)\)", compiler), compiler
+    assert re.fullmatch(
+        r"  compiler: [1-9]\d* graph\(s\), 0 graph break\(s\), 0 recompile\(s\), \d+\.\d s "
+        r"compiling \((\d+ hit\(s\), \d+ miss\(es\) in the on-disk compile caches|no on-disk "
+        r"cache used)\)",
+        compiler,
+    ), compiler
     assert f"{stats.graphs} graph(s)" in compiler
     assert kernels == "  kernel substitutions: 0 (none on this device)"
     outcome = "kept compiling" if decision.choice == "compiled" else "trained eagerly"

@@ -8,13 +8,23 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+pytest.importorskip(
+    "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
+)
 
 from vision.cli import run
 from vision.models import create_model
 
-TINY = ["--model.model_kwargs", '{"widths": [8, 8, 8]}', "--model.whitening_images", "64",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+TINY = [
+    "--model.model_kwargs",
+    '{"widths": [8, 8, 8]}',
+    "--model.whitening_images",
+    "64",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +39,7 @@ def _evaluate_checkpointed_weights(path: str, loader) -> tuple[float, float]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     assert checkpoint["hyper_parameters"]["ema_decay"] is not None
     prefix = "ema.module."
-    weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    weights = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     model = create_model("airbench94", num_classes=10, widths=[8, 8, 8])
     model.load_state_dict(weights, strict=True)
     model.eval()
@@ -46,8 +56,20 @@ def _evaluate_checkpointed_weights(path: str, loader) -> tuple[float, float]:
 
 def test_validate_from_the_last_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    fit = run(["fit", "--recipe", "digits-small", "--trainer.max_epochs", "1",
-               "--trainer.limit_train_batches", "6", "--test_after_fit", "false", *TINY])
+    fit = run(
+        [
+            "fit",
+            "--recipe",
+            "digits-small",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "6",
+            "--test_after_fit",
+            "false",
+            *TINY,
+        ]
+    )
     # the fit's one (final) validation; the loss tells weights apart even where accuracies are near chance
     fitted = float(fit.trainer.callback_metrics["val/acc"])
     fitted_loss = float(fit.trainer.callback_metrics["val/loss"])
@@ -57,7 +79,8 @@ def test_validate_from_the_last_checkpoint(tmp_path, monkeypatch):
 
     validated = run(["validate", "--ckpt_path", last, "--trainer.enable_progress_bar", "false"])
     assert validated.model.hparams.recipe == "digits-small" and validated.model.hparams.model_kwargs == {
-        "widths": [8, 8, 8]}
+        "widths": [8, 8, 8]
+    }
     metrics = validated.trainer.callback_metrics
     val_acc, val_loss = float(metrics["val/acc"]), float(metrics["val/loss"])
     assert "test/acc" not in metrics  # validate only: no test run

@@ -2,8 +2,8 @@
 (no TypeError from the checkpoint callback, no checkpoint of untrained weights), checkpoints and the summary
 mean what they say, and nothing the user has to read past.
 
-The folder is ``tests/photo_folder.py``'s (scikit-learn's photos in 10 file formats, two classes); the model is
-the ``imagefolder-small`` recipe shrunk to a few thousand parameters at 24 px.
+The folder is ``tests/photo_folder.py``'s (scikit-learn's photos in 10 file formats, two classes); the model
+is the ``imagefolder-small`` recipe shrunk to a few thousand parameters at 24 px.
 """
 
 from __future__ import annotations
@@ -16,13 +16,30 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])")
+pytest.importorskip(
+    "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
+)
 
 from vision.cli import main, run
 
-SMALL = ["--recipe", "imagefolder-small", "--model.model_kwargs", '{"widths": [8, 8, 8]}', "--model.whitening_images",
-         "8", "--data.image_size", "24", "--data.storage_size", "27", "--data.batch_size", "4", "--data.num_workers",
-         "1", "--trainer.enable_progress_bar", "false"]
+SMALL = [
+    "--recipe",
+    "imagefolder-small",
+    "--model.model_kwargs",
+    '{"widths": [8, 8, 8]}',
+    "--model.whitening_images",
+    "8",
+    "--data.image_size",
+    "24",
+    "--data.storage_size",
+    "27",
+    "--data.batch_size",
+    "4",
+    "--data.num_workers",
+    "1",
+    "--trainer.enable_progress_bar",
+    "false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -74,12 +91,15 @@ def test_batch_larger_than_the_train_set_is_one_line(capfd, photo_folder):
     assert "has 20 images, fewer than batch_size=128" in line and "--data.drop_last false" in line
 
 
-@pytest.mark.parametrize(("option", "value", "match"), [
-    ("--trainer.max_epochs", "0", "--trainer.max_epochs 0 trains nothing"),
-    ("--trainer.max_epochs", "-1", "give --trainer.max_steps N"),
-    ("--trainer.limit_train_batches", "0", "--trainer.limit_train_batches 0 trains nothing"),
-    ("--ckpt_path", "missing.ckpt", "--ckpt_path 'missing.ckpt' does not exist"),
-])
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("--trainer.max_epochs", "0", "--trainer.max_epochs 0 trains nothing"),
+        ("--trainer.max_epochs", "-1", "give --trainer.max_steps N"),
+        ("--trainer.limit_train_batches", "0", "--trainer.limit_train_batches 0 trains nothing"),
+        ("--ckpt_path", "missing.ckpt", "--ckpt_path 'missing.ckpt' does not exist"),
+    ],
+)
 def test_runs_that_train_nothing_are_refused(capfd, photo_folder, option, value, match):
     assert match in _fails(capfd, ["fit", *SMALL, "--data.root", photo_folder, option, value], status=2)
 
@@ -89,16 +109,20 @@ def test_val_split_fraction_from_the_command_line(capfd, photo_copy):
     from vision.recipes import get_recipe
 
     shutil.rmtree(photo_copy / "val")
-    cli = LcvCLI(get_recipe("imagefolder-small"), gpu=False, run=False,
-                 args=[*SMALL[2:], "--data.root", str(photo_copy), "--data.val_split", "0.2"])
+    cli = LcvCLI(
+        get_recipe("imagefolder-small"),
+        gpu=False,
+        run=False,
+        args=[*SMALL[2:], "--data.root", str(photo_copy), "--data.val_split", "0.2"],
+    )
     assert cli.datamodule.val_fraction == pytest.approx(0.2)
     cli.datamodule.setup("fit")
     assert len(cli.datamodule._splits["val"]) == 4 and len(cli.datamodule._splits["train"]) == 16
 
 
 def test_fit_summary_checkpoints_and_quiet_output(capfd, caplog, photo_folder):
-    """Two epochs: last.ckpt holds the end of epoch 2, the summary names the evaluated weights (EMA and final),
-    the best checkpoint, the throughput; none of Lightning's noise is printed."""
+    """Two epochs: last.ckpt holds the end of epoch 2, the summary names the evaluated weights (EMA and
+    final), the best checkpoint, the throughput; none of Lightning's noise is printed."""
     with pytest.warns() as caught:
         fit = run(["fit", *SMALL, "--data.root", photo_folder, "--trainer.max_epochs", "2"])
     out, err = capfd.readouterr()
@@ -111,13 +135,23 @@ def test_fit_summary_checkpoints_and_quiet_output(capfd, caplog, photo_folder):
         acc = fit.test_results[weights]["test/acc"]
         assert f"test accuracy ({weights} weights): {100 * acc:.2f}%" in out
     best = float(trainer.checkpoint_callback.best_model_score)
-    assert f"best val/acc (EMA weights): {100 * best:.2f}%, checkpoint {trainer.checkpoint_callback.best_model_path}" \
-        in out
+    assert (
+        f"best val/acc (EMA weights): {100 * best:.2f}%, checkpoint "
+        f"{trainer.checkpoint_callback.best_model_path}" in out
+    )
     assert f"last checkpoint (epoch 2, step 10): {trainer.checkpoint_callback.last_model_path}" in out
     assert "train: 20 images in 2 classes decoded to 27x27 in" in caplog.text
     assert "moving average of `model`'s weights" in caplog.text  # the EMA copy explained in the model summary
-    for noise in ("litlogger", "LeafSpec", "weights_only", "Total FLOPs", "v_num", "smaller than the logging interval",
-                  "Trainer already configured", "estimate number of stepping"):
+    for noise in (
+        "litlogger",
+        "LeafSpec",
+        "weights_only",
+        "Total FLOPs",
+        "v_num",
+        "smaller than the logging interval",
+        "Trainer already configured",
+        "estimate number of stepping",
+    ):
         assert noise not in text, noise
     assert trainer.log_every_n_steps == 5
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -130,15 +164,30 @@ def test_fit_summary_checkpoints_and_quiet_output(capfd, caplog, photo_folder):
 
 
 def test_checkpoint_of_another_recipe_is_refused_and_command_line_wins(capfd, photo_folder):
-    fit = run(["fit", *SMALL, "--data.root", photo_folder, "--trainer.max_epochs", "1", "--test_after_fit", "false"])
+    fit = run(
+        ["fit", *SMALL, "--data.root", photo_folder, "--trainer.max_epochs", "1", "--test_after_fit", "false"]
+    )
     last = fit.trainer.checkpoint_callback.last_model_path
     capfd.readouterr()
     line = _fails_keeping(capfd, ["test", "--recipe", "digits-small", "--ckpt_path", last])
     assert "was saved by recipe 'imagefolder-small', not 'digits-small'" in line
-    line = _fails_keeping(capfd, ["test", "--ckpt_path", last, "--model.model_kwargs", '{"widths": [8, 8, 16]}'])
+    line = _fails_keeping(
+        capfd, ["test", "--ckpt_path", last, "--model.model_kwargs", '{"widths": [8, 8, 16]}']
+    )
     assert "--model.model_kwargs" in line and "conflicts with --ckpt_path" in line
-    tested = run(["test", "--ckpt_path", last, "--model.tta", "flip", "--data.root", photo_folder,
-                  "--trainer.enable_progress_bar", "false"])
+    tested = run(
+        [
+            "test",
+            "--ckpt_path",
+            last,
+            "--model.tta",
+            "flip",
+            "--data.root",
+            photo_folder,
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     assert tested.model.hparams.tta == "flip" and tested.model.hparams.model_kwargs == {"widths": [8, 8, 8]}
 
 

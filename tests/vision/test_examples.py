@@ -1,15 +1,20 @@
-"""Every example script runs one tiny step (its ``--smoke`` mode), and the accuracy benchmark runs end to end."""
+"""Every example script runs one tiny step (its ``--smoke`` mode), and the accuracy benchmark runs end to
+end."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+
 from script_loader import load_script
+
 
 def _load(relative: str):
     module = load_script(relative)
-    assert module.__doc__ and "python " + relative in module.__doc__  # documented at the top, with the command
+    assert (
+        module.__doc__ and "python " + relative in module.__doc__
+    )  # documented at the top, with the command
     return module
 
 
@@ -33,7 +38,9 @@ def test_train_imagefolder_smoke(capsys):
     assert 0.0 <= example.main(["--smoke"])["test/acc"] <= 1.0
     assert "resnet50 on" in capsys.readouterr().out
     # any torchvision name as backbone
-    assert 0.0 <= example.main(["--smoke", "--model", "squeezenet1_1", "--image-size", "64"])["test/acc"] <= 1.0
+    assert (
+        0.0 <= example.main(["--smoke", "--model", "squeezenet1_1", "--image-size", "64"])["test/acc"] <= 1.0
+    )
     with pytest.raises(SystemExit, match="--root DIR"):
         example.main([])
 
@@ -48,8 +55,26 @@ def test_compare_compile_smoke(capsys):
 def test_cifar10_accuracy_benchmark_tiny(cifar_zip, tmp_path, monkeypatch):
     bench = _load("benchmarks/cifar10_accuracy.py")
     monkeypatch.setattr("benchmarks._common.RESULTS_DIR", str(tmp_path))
-    payload = bench.main(["--zip", cifar_zip, "--limit-per-class", "20", "--epochs", "1", "--batch-size", "50",
-                          "--widths", "8", "8", "8", "--tta", "flip", "--tag", "test"])
+    payload = bench.main(
+        [
+            "--zip",
+            cifar_zip,
+            "--limit-per-class",
+            "20",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "50",
+            "--widths",
+            "8",
+            "8",
+            "8",
+            "--tta",
+            "flip",
+            "--tag",
+            "test",
+        ]
+    )
     written = json.loads((tmp_path / "cifar10_accuracy-cpu-test.json").read_text())
     assert written["test_accuracy"] == payload["test_accuracy"] and 0.0 <= payload["test_accuracy"] <= 1.0
     assert written["train_images"] == 200 and written["test_images"] == 200 and written["steps"] == 4

@@ -40,8 +40,15 @@ def _loader():
 
 
 def _fit_three_epochs(tmp_path, checkpoint) -> pl.Trainer:
-    trainer = pl.Trainer(max_epochs=3, callbacks=[checkpoint], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_epochs=3,
+        callbacks=[checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(_ConstantScore(), _loader(), _loader())
     return trainer
 
@@ -51,7 +58,9 @@ def test_last_checkpoint_is_the_last_state_when_the_metric_stops_improving(tmp_p
     trainer = _fit_three_epochs(tmp_path, checkpoint)
     last = torch.load(checkpoint.last_model_path, weights_only=False)
     assert (last["epoch"], last["global_step"]) == (2, trainer.global_step) == (2, 6)
-    assert checkpoint.best_model_path.endswith("best-epoch=0.ckpt")  # the first of equal scores stays the best
+    assert checkpoint.best_model_path.endswith(
+        "best-epoch=0.ckpt"
+    )  # the first of equal scores stays the best
     assert checkpoint.best() == (0.5, checkpoint.best_model_path)
 
 
@@ -90,17 +99,31 @@ def test_ema_warmup_decay():
 
 
 def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
-    """imagefolder-resnet50's EMA (decay 0.99986 every 32 steps) on a 6-step run: the last step updates it with
-    the warm-up decay 0.1, parameters and BN running statistics alike (it used to keep the initial weights)."""
+    """imagefolder-resnet50's EMA (decay 0.99986 every 32 steps) on a 6-step run: the last step updates it
+    with the warm-up decay 0.1, parameters and BN running statistics alike (it used to keep the initial
+    weights)."""
     from vision.data import DigitsDataModule
     from vision.module import ClassificationModule
 
     torch.manual_seed(0)
-    module = ClassificationModule("resnet18", num_classes=10, model_kwargs={"width": 4, "stem": "cifar"},
-                                  ema_decay=0.99986, ema_every_n_steps=32, channels_last=False)
+    module = ClassificationModule(
+        "resnet18",
+        num_classes=10,
+        model_kwargs={"width": 4, "stem": "cifar"},
+        ema_decay=0.99986,
+        ema_every_n_steps=32,
+        channels_last=False,
+    )
     initial = {k: v.clone() for k, v in module.model.state_dict().items()}
-    trainer = pl.Trainer(max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=DigitsDataModule(batch_size=32, image_size=8))
     final = module.model.state_dict()
     for name, average in module.ema.module.state_dict().items():
@@ -118,12 +141,18 @@ def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
 
 
 def test_best_of_a_run_resumed_into_another_folder_is_kept(tmp_path):
-    """A resumed lcv run writes to a new version folder; Lightning then drops the interrupted run's best score,
-    and the summary lost its "best val/acc" line."""
+    """A resumed lcv run writes to a new version folder; Lightning then drops the interrupted run's best
+    score, and the summary lost its "best val/acc" line."""
     checkpoint = BestAndLastCheckpoint(tmp_path / "version_1", monitor="val/acc", mode="max")
     earlier = str(tmp_path / "version_0" / "best.ckpt")
-    checkpoint.load_state_dict({"dirpath": str(tmp_path / "version_0"), "best_model_score": torch.tensor(0.75),
-                                "best_model_path": earlier, "monitor": "val/acc"})
+    checkpoint.load_state_dict(
+        {
+            "dirpath": str(tmp_path / "version_0"),
+            "best_model_score": torch.tensor(0.75),
+            "best_model_path": earlier,
+            "monitor": "val/acc",
+        }
+    )
     assert checkpoint.best() == (0.75, earlier)
     checkpoint.best_model_score, checkpoint.best_model_path = torch.tensor(0.5), "new.ckpt"
     assert checkpoint.best() == (0.75, earlier)

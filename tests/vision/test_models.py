@@ -1,4 +1,5 @@
-"""Models against independent references: torchvision's ResNets, a hand-written attention, the whitening math."""
+"""Models against independent references: torchvision's ResNets, a hand-written attention, the whitening
+math."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def test_resnet_channels_last_gives_the_same_output():
     x = torch.randn(2, 3, 32, 32)
     expected = model(x)
     model = model.to(memory_format=torch.channels_last)
-    torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        model(x.contiguous(memory_format=torch.channels_last)), expected, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_cifar_resnet_keeps_resolution_in_the_stem():

@@ -15,12 +15,20 @@ from vision.recipes import DigitsData, build_module
 
 
 def _hp(**kwargs) -> SimpleNamespace:
-    base = dict(warmup_fraction=0.0, warmup_start_factor=0.01, schedule="cosine", final_lr_factor=0.0,
-                step_epochs=30, step_gamma=0.1)
+    base = dict(
+        warmup_fraction=0.0,
+        warmup_start_factor=0.01,
+        schedule="cosine",
+        final_lr_factor=0.0,
+        step_epochs=30,
+        step_gamma=0.1,
+    )
     return SimpleNamespace(**{**base, **kwargs})
 
 
-@pytest.mark.parametrize("total", [97, 12])  # 0.23 x 12 = 2.76: airbench floors it to 2, rounding would give 3
+@pytest.mark.parametrize(
+    "total", [97, 12]
+)  # 0.23 x 12 = 2.76: airbench floors it to 2, rounding would give 3
 def test_triangle_schedule_is_airbench_interpolation(total):
     hp = _hp(schedule="triangle", warmup_fraction=0.23, warmup_start_factor=0.2, final_lr_factor=0.07)
     warmup = int(0.23 * total)  # airbench's triangle(): xp = [0, int(peak * steps), steps]
@@ -60,7 +68,9 @@ def test_airbench_parameter_groups():
     hp = module.hparams
     assert norms["initial_lr"] == pytest.approx(64 * hp.lr)
     assert norms["weight_decay"] == pytest.approx(hp.weight_decay / 64)
-    assert norms["initial_lr"] * norms["weight_decay"] == pytest.approx(weights["initial_lr"] * weights["weight_decay"])
+    assert norms["initial_lr"] * norms["weight_decay"] == pytest.approx(
+        weights["initial_lr"] * weights["weight_decay"]
+    )
     assert weights["lr"] == pytest.approx(0.2 * hp.lr)  # the schedule starts at 0.2x
     assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.85
     assert hp.lr == pytest.approx(1.5, rel=1e-3)  # airbench's 11.5 "per 1024 examples" for a mean loss
@@ -69,11 +79,14 @@ def test_airbench_parameter_groups():
 def test_airbench_recipe_updates_match_airbench_summed_loss_sgd():
     """Our mean-loss lr / weight decay step the weights exactly as airbench94's own SGD set-up does.
 
-    airbench: loss summed over the batch, ``kilostep = 1024 * (1 + 1 / (1 - 0.85))``, ``lr = 11.5 / kilostep``,
-    ``wd = 0.0153 * batch / kilostep``, BN biases at 64x lr, and PyTorch ``weight_decay = wd / group_lr``.
+    airbench: loss summed over the batch, ``kilostep = 1024 * (1 + 1 / (1 - 0.85))``, ``lr = 11.5 /
+    kilostep``, ``wd = 0.0153 * batch / kilostep``, BN biases at 64x lr, and PyTorch ``weight_decay = wd /
+    group_lr``.
     """
     torch.manual_seed(0)
-    module = build_module("cifar10-airbench", num_classes=10, model_kwargs={"widths": [8, 8, 8]}, channels_last=False)
+    module = build_module(
+        "cifar10-airbench", num_classes=10, model_kwargs={"widths": [8, 8, 8]}, channels_last=False
+    )
     module.trainer = SimpleNamespace(estimated_stepping_batches=100, max_epochs=10)
     ours = module.configure_optimizers()["optimizer"]
     for group in ours.param_groups:  # compare at the peak lr (both sides share the schedule's multiplier)
@@ -84,8 +97,12 @@ def test_airbench_recipe_updates_match_airbench_summed_loss_sgd():
     norm_biases = [p for n, p in reference_model.named_parameters() if p.requires_grad and "norm" in n]
     others = [p for n, p in reference_model.named_parameters() if p.requires_grad and "norm" not in n]
     reference = torch.optim.SGD(
-        [dict(params=norm_biases, lr=lr * 64, weight_decay=wd / (lr * 64)), dict(params=others, lr=lr, weight_decay=wd / lr)],
-        momentum=0.85, nesterov=True,
+        [
+            dict(params=norm_biases, lr=lr * 64, weight_decay=wd / (lr * 64)),
+            dict(params=others, lr=lr, weight_decay=wd / lr),
+        ],
+        momentum=0.85,
+        nesterov=True,
     )
     images, labels = torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
     for _ in range(3):
@@ -93,15 +110,18 @@ def test_airbench_recipe_updates_match_airbench_summed_loss_sgd():
         torch.nn.functional.cross_entropy(module.model(images), labels, label_smoothing=0.2).backward()
         ours.step()
         reference.zero_grad()
-        torch.nn.functional.cross_entropy(reference_model(images), labels, label_smoothing=0.2, reduction="sum").backward()
+        torch.nn.functional.cross_entropy(
+            reference_model(images), labels, label_smoothing=0.2, reduction="sum"
+        ).backward()
         reference.step()
     for (name, got), want in zip(module.model.named_parameters(), reference_model.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_eval_uses_the_ema_weights():
-    module = ClassificationModule(model="airbench94", num_classes=3, model_kwargs={"widths": [4, 4, 4]},
-                                  ema_decay=0.5)
+    module = ClassificationModule(
+        model="airbench94", num_classes=3, model_kwargs={"widths": [4, 4, 4]}, ema_decay=0.5
+    )
     with torch.no_grad():
         module.ema.module.head.weight.mul_(-1.0)
     x = torch.randn(2, 3, 16, 16)
@@ -117,38 +137,63 @@ def test_whitening_needs_a_whitening_model():
         ClassificationModule(model="resnet18", num_classes=10, whitening_images=10, model_kwargs={"width": 4})
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"ema_decay": 0.9, "lookahead": True}, "turn on only one"),
-    ({"lr": 0.0}, "lr must be > 0"),
-    ({"optimizer": "lamb"}, "optimizer must be"),
-    ({"label_smoothing": 1.0}, "label_smoothing"),
-    ({"tta": "rotate"}, "tta must be one of"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ema_decay": 0.9, "lookahead": True}, "turn on only one"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"optimizer": "lamb"}, "optimizer must be"),
+        ({"label_smoothing": 1.0}, "label_smoothing"),
+        ({"tta": "rotate"}, "tta must be one of"),
+    ],
+)
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ClassificationModule(**kwargs)
 
 
 def _fit(module: ClassificationModule, epochs: int, batches: int) -> pl.Trainer:
-    trainer = pl.Trainer(max_epochs=epochs, limit_train_batches=batches, limit_val_batches=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        limit_train_batches=batches,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DigitsData(batch_size=32, image_size=16))
     return trainer
 
 
 def test_lookahead_ends_on_the_average_and_whitening_bias_freezes():
-    module = ClassificationModule(model="airbench94", model_kwargs={"widths": [8, 8, 8]}, lookahead=True,
-                                  ema_every_n_steps=2, whitening_images=64, whitening_bias_epochs=1, lr=0.05)
+    module = ClassificationModule(
+        model="airbench94",
+        model_kwargs={"widths": [8, 8, 8]},
+        lookahead=True,
+        ema_every_n_steps=2,
+        whitening_images=64,
+        whitening_bias_epochs=1,
+        lr=0.05,
+    )
     biases = []
 
     class RecordBias(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
             biases.append(pl_module.model.whiten.bias.detach().clone())
 
-    trainer = pl.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[RecordBias()])
+    trainer = pl.Trainer(
+        max_epochs=2,
+        limit_train_batches=3,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[RecordBias()],
+    )
     data = DigitsData(batch_size=32, image_size=16)
     trainer.fit(module, data)
     assert trainer.global_step == 6
@@ -157,7 +202,9 @@ def test_lookahead_ends_on_the_average_and_whitening_bias_freezes():
     # whitening filters come from the data: they whiten the first 64 (normalised) training images
     from vision.models import whitening_weights
 
-    torch.testing.assert_close(module.model.whiten.weight, whitening_weights(data.sample_train_images(64).float()))
+    torch.testing.assert_close(
+        module.model.whiten.weight, whitening_weights(data.sample_train_images(64).float())
+    )
     assert not module.model.whiten.bias.requires_grad
     # epoch 1 (the second) trained without the bias: only lookahead averaging could move it, and the
     # average of an unchanged value is the value
@@ -169,9 +216,15 @@ def test_whitening_without_a_datamodule_names_the_problem():
     images = torch.rand(16, 3, 16, 16)
     dataset = torch.utils.data.TensorDataset(images, torch.arange(16) % 10)
     loader = torch.utils.data.DataLoader(dataset, batch_size=8)
-    module = ClassificationModule(model="airbench94", num_classes=10, model_kwargs={"widths": [8, 8, 8]},
-                                  whitening_images=8)
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    module = ClassificationModule(
+        model="airbench94", num_classes=10, model_kwargs={"widths": [8, 8, 8]}, whitening_images=8
+    )
+    trainer = pl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ValueError, match=r"whitening_images=8 needs the training images .* datamodule"):
         trainer.fit(module, train_dataloaders=loader)

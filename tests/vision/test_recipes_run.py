@@ -24,8 +24,14 @@ def _tiny_data(dataset: str, tiny_cifar: str, tiny_imagefolder: str) -> dict:
     if dataset == "cifar10":
         return {"zip_path": tiny_cifar, "batch_size": 8, "num_workers": 1}
     if dataset == "imagefolder":
-        return {"root": tiny_imagefolder, "image_size": 32, "storage_size": 40, "eval_image_size": 36,
-                "batch_size": 6, "num_workers": 1}
+        return {
+            "root": tiny_imagefolder,
+            "image_size": 32,
+            "storage_size": 40,
+            "eval_image_size": 36,
+            "batch_size": 6,
+            "num_workers": 1,
+        }
     raise AssertionError(f"no tiny data for {dataset!r}")
 
 
@@ -43,12 +49,20 @@ def _traced_only(recipe):
 @pytest.mark.parametrize("name", list_recipes())
 def test_recipe_trains_one_step_and_tests(name, tiny_cifar, tiny_imagefolder):
     recipe = get_recipe(name)
-    module, datamodule = build(recipe, data=_tiny_data(recipe.dataset, tiny_cifar, tiny_imagefolder),
-                               model=_tiny_model(recipe.model))
+    module, datamodule = build(
+        recipe, data=_tiny_data(recipe.dataset, tiny_cifar, tiny_imagefolder), model=_tiny_model(recipe.model)
+    )
     assert module.hparams.recipe == name and module.hparams.num_classes == datamodule.num_classes
     before = {k: v.clone() for k, v in module.model.state_dict().items()}
-    trainer = build_trainer(recipe, gpu=False, fast_dev_run=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, strategy=_traced_only(recipe))
+    trainer = build_trainer(
+        recipe,
+        gpu=False,
+        fast_dev_run=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=_traced_only(recipe),
+    )
     assert trainer.precision == "32-true"
     trainer.fit(module, datamodule)
     assert trainer.global_step == 1
@@ -74,32 +88,60 @@ def test_gpu_defaults_pick_the_compiled_strategy_and_recipe_precision():
 
 
 def test_imagefolder_fixres_sizes(tiny_imagefolder):
-    _, datamodule = build("imagefolder-resnet50", data={"root": tiny_imagefolder, "storage_size": 40,
-                                                        "image_size": 24, "eval_image_size": 36, "batch_size": 4})
+    _, datamodule = build(
+        "imagefolder-resnet50",
+        data={
+            "root": tiny_imagefolder,
+            "storage_size": 40,
+            "image_size": 24,
+            "eval_image_size": 36,
+            "batch_size": 4,
+        },
+    )
     datamodule.setup()
     train_x, train_y = next(iter(datamodule.train_dataloader()))
     val_x, _ = next(iter(datamodule.val_dataloader()))
     assert train_x.shape[-2:] == (24, 24) and val_x.shape[-2:] == (36, 36)
     assert train_y.shape == (4, 3) and train_y.is_floating_point()  # mixup/cutmix soft targets
     with pytest.raises(ValueError, match="eval_image_size=50"):
-        build("imagefolder-resnet50", data={"root": tiny_imagefolder, "storage_size": 40, "eval_image_size": 50})
+        build(
+            "imagefolder-resnet50", data={"root": tiny_imagefolder, "storage_size": 40, "eval_image_size": 50}
+        )
 
 
 def test_imagefolder_encoded_storage_trains_and_evaluates(tiny_imagefolder):
-    module, datamodule = build("imagefolder-resnet50", data={
-        "root": tiny_imagefolder, "image_size": 24, "storage_size": 40, "eval_image_size": 32, "batch_size": 6,
-        "storage": "encoded", "num_workers": 1}, model={"model_kwargs": {"width": 4}})
+    module, datamodule = build(
+        "imagefolder-resnet50",
+        data={
+            "root": tiny_imagefolder,
+            "image_size": 24,
+            "storage_size": 40,
+            "eval_image_size": 32,
+            "batch_size": 6,
+            "storage": "encoded",
+            "num_workers": 1,
+        },
+        model={"model_kwargs": {"width": 4}},
+    )
     val_x, _ = next(iter(datamodule.val_dataloader()))
     assert val_x.shape[-2:] == (32, 32)
-    trainer = build_trainer("imagefolder-resnet50", gpu=False, fast_dev_run=1, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            strategy=_traced_only(get_recipe("imagefolder-resnet50")))
+    trainer = build_trainer(
+        "imagefolder-resnet50",
+        gpu=False,
+        fast_dev_run=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=_traced_only(get_recipe("imagefolder-resnet50")),
+    )
     trainer.fit(module, datamodule)
     assert trainer.global_step == 1
 
 
 def test_whitening_images_are_a_seeded_sample_across_classes(tiny_cifar):
-    _, datamodule = build("cifar10-airbench", data={"zip_path": tiny_cifar, "batch_size": 8, "num_workers": 1})
+    _, datamodule = build(
+        "cifar10-airbench", data={"zip_path": tiny_cifar, "batch_size": 8, "num_workers": 1}
+    )
     datamodule.setup()
     sample = datamodule.sample_train_images(12)
     again = datamodule.sample_train_images(12)

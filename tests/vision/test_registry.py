@@ -11,8 +11,15 @@ import torchvision
 import vision.models._registry as model_registry
 import vision.recipes._registry as recipe_registry
 from vision.models import create_model, list_models, register_model
-from vision.recipes import AugmentConfig, OptimConfig, Recipe, UnknownRecipeError, get_recipe, list_recipes
-from vision.recipes import register_recipe
+from vision.recipes import (
+    AugmentConfig,
+    OptimConfig,
+    Recipe,
+    UnknownRecipeError,
+    get_recipe,
+    list_recipes,
+    register_recipe,
+)
 
 
 @pytest.fixture
@@ -52,8 +59,14 @@ def test_register_as_decorator_and_validation(isolated_recipes):
 
 def test_none_overrides_keep_defaults():
     base = get_recipe("cifar10-airbench")
-    same = get_recipe("cifar10-airbench", epochs=None, batch_size=None, optim={"lr": None, "momentum": 0.5},
-                      augment={"cutout": None}, model_kwargs={"widths": None})
+    same = get_recipe(
+        "cifar10-airbench",
+        epochs=None,
+        batch_size=None,
+        optim={"lr": None, "momentum": 0.5},
+        augment={"cutout": None},
+        model_kwargs={"widths": None},
+    )
     assert same.epochs == base.epochs and same.batch_size == base.batch_size
     assert same.optim.lr == base.optim.lr and same.optim.momentum == 0.5
     assert same.augment == base.augment
@@ -170,7 +183,10 @@ def test_create_model_routes_unknown_names_to_timm(monkeypatch):
     assert len(calls) == 1
 
     # a name that timm does not know either: the usual error, and timm.create_model is never called
-    with pytest.raises(ValueError, match=r"unknown model 'not_a_timm_net': not in the vision registry, "
-                                         r"torchvision or timm"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown model 'not_a_timm_net': not in the vision registry, "
+        r"torchvision or timm",
+    ):
         create_model("not_a_timm_net", num_classes=4)
     assert len(calls) == 1

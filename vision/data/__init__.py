@@ -1,15 +1,33 @@
 """Fast batched data augmentation and loading: uint8 storage, per-sample random params on whole batches."""
 
+from typing import Any
+
 from vision.data.color import ColorJitter, Normalize, ToGray
 from vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
 from vision.data.datasets import (
-    CorruptImageError, DatasetError, DatasetNotFoundError, EncodedImages, ImageSet, list_image_folder, load_cifar10,
-    load_digits_images, load_image_folder,
+    CorruptImageError,
+    DatasetError,
+    DatasetNotFoundError,
+    EncodedImages,
+    ImageSet,
+    list_image_folder,
+    load_cifar10,
+    load_digits_images,
+    load_image_folder,
 )
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import (
-    AlternatingFlipCrop, CenterCrop, HorizontalFlip, Pad, PadIfNeeded, RandomCrop, RandomResizedCrop, RandomTranslate,
-    Resize, ResizeCenterCrop, VerticalFlip,
+    AlternatingFlipCrop,
+    CenterCrop,
+    HorizontalFlip,
+    Pad,
+    PadIfNeeded,
+    RandomCrop,
+    RandomResizedCrop,
+    RandomTranslate,
+    Resize,
+    ResizeCenterCrop,
+    VerticalFlip,
 )
 from vision.data.loader import DeviceLoader
 from vision.data.mixing import MixupCutmix
@@ -18,16 +36,46 @@ from vision.data.pipeline import Pipeline
 from vision.data.trivial_augment import TrivialAugmentWide
 
 __all__ = [
-    "AlternatingFlipCrop", "BatchOp", "CIFAR10DataModule", "CenterCrop", "CoarseDropout", "ColorJitter",
-    "CorruptImageError", "DatasetError", "DatasetNotFoundError", "DeviceLoader", "DigitsDataModule",
-    "EncodedImages", "Erasing", "HorizontalFlip", "ImageFolderDataModule", "ImageSet", "MixupCutmix",
-    "Normalize", "Pad", "PadIfNeeded", "Params", "Pipeline", "RaggedBatch", "RandomCrop", "RandomResizedCrop",
-    "RandomTranslate", "Resize", "ResizeCenterCrop", "ToGray", "TrivialAugmentWide", "VerticalFlip",
-    "from_albumentations", "list_image_folder", "load_cifar10", "load_digits_images", "load_image_folder",
+    "AlternatingFlipCrop",
+    "BatchOp",
+    "CIFAR10DataModule",
+    "CenterCrop",
+    "CoarseDropout",
+    "ColorJitter",
+    "CorruptImageError",
+    "DatasetError",
+    "DatasetNotFoundError",
+    "DeviceLoader",
+    "DigitsDataModule",
+    "EncodedImages",
+    "Erasing",
+    "HorizontalFlip",
+    "ImageFolderDataModule",
+    "ImageSet",
+    "MixupCutmix",
+    "Normalize",
+    "Pad",
+    "PadIfNeeded",
+    "Params",
+    "Pipeline",
+    "RaggedBatch",
+    "RandomCrop",
+    "RandomResizedCrop",
+    "RandomTranslate",
+    "Resize",
+    "ResizeCenterCrop",
+    "ToGray",
+    "TrivialAugmentWide",
+    "VerticalFlip",
+    "from_albumentations",
+    "list_image_folder",
+    "load_cifar10",
+    "load_digits_images",
+    "load_image_folder",
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # albumentations (and cv2) are imported only when the bridge is used.
     if name == "from_albumentations":
         from vision.data.albumentations_bridge import from_albumentations

@@ -9,14 +9,23 @@ A ``Pad`` directly followed by a ``RandomCrop`` becomes one fused padded crop.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from vision.data.color import ColorJitter, Normalize, ToGray
 from vision.data.erasing import CoarseDropout, Erasing
 from vision.data.geometry import (
-    CenterCrop, HorizontalFlip, Pad, PadIfNeeded, RandomCrop, RandomResizedCrop, Resize, VerticalFlip,
+    CenterCrop,
+    HorizontalFlip,
+    Pad,
+    PaddingMode,
+    PadIfNeeded,
+    RandomCrop,
+    RandomResizedCrop,
+    Resize,
+    VerticalFlip,
 )
 from vision.data.ops import BatchOp
 from vision.data.pipeline import Pipeline
@@ -26,11 +35,15 @@ class UnsupportedTransformError(ValueError):
     """Some albumentations transforms have no batched equivalent."""
 
 
-def _border(t: Any) -> str:
+def _border(t: Any) -> PaddingMode:
     import cv2
 
-    modes = {cv2.BORDER_CONSTANT: "constant", cv2.BORDER_REFLECT_101: "reflect", cv2.BORDER_REFLECT: "symmetric",
-             cv2.BORDER_REPLICATE: "edge"}
+    modes: dict[int, PaddingMode] = {
+        cv2.BORDER_CONSTANT: "constant",
+        cv2.BORDER_REFLECT_101: "reflect",
+        cv2.BORDER_REFLECT: "symmetric",
+        cv2.BORDER_REPLICATE: "edge",
+    }
     if t.border_mode not in modes:
         raise _Unsupported(f"border_mode={t.border_mode} (only CONSTANT, REFLECT_101, REFLECT, REPLICATE)")
     return modes[t.border_mode]
@@ -121,8 +134,9 @@ _TRANSLATORS: dict[str, Callable[[Any], BatchOp | None]] = {
     "ColorJitter": lambda t: ColorJitter(t.brightness, t.contrast, t.saturation, t.hue, t.p),
     "ToGray": _to_gray,
     "Normalize": _normalize,
-    "CoarseDropout": lambda t: CoarseDropout(t.num_holes_range, t.hole_height_range, t.hole_width_range,
-                                             _fill(t), t.p),
+    "CoarseDropout": lambda t: CoarseDropout(
+        t.num_holes_range, t.hole_height_range, t.hole_width_range, _fill(t), t.p
+    ),
     "Erasing": lambda t: Erasing(t.scale, t.ratio, _fill(t), t.p),
     "ToTensorV2": lambda t: None,
 }
@@ -132,21 +146,27 @@ def _fuse_pad_crop(ops: list[BatchOp]) -> list[BatchOp]:
     out: list[BatchOp] = []
     for op in ops:
         prev = out[-1] if out else None
-        if (isinstance(op, RandomCrop) and type(prev) is Pad and not any(op.padding) and op.p == 1.0):
+        if isinstance(op, RandomCrop) and type(prev) is Pad and not any(op.padding) and op.p == 1.0:
             out[-1] = RandomCrop(op.size, prev.padding, prev.padding_mode, prev.fill)
         else:
             out.append(op)
     return out
 
 
-def from_albumentations(compose: Any, dtype: torch.dtype = torch.float32, channels_last: bool = True,
-                        compile: bool = True) -> Pipeline:
-    """Batched equivalent of an ``A.Compose`` (or a list of transforms); raises listing what is unsupported."""
+def from_albumentations(
+    compose: Any, dtype: torch.dtype = torch.float32, channels_last: bool = True, compile: bool = True
+) -> Pipeline:
+    """Batched equivalent of an ``A.Compose`` (or a list of transforms); raises listing what is
+    unsupported."""
     transforms = getattr(compose, "transforms", compose)
     if not isinstance(transforms, (list, tuple)) and not hasattr(transforms, "__iter__"):
-        raise TypeError(f"from_albumentations: expected an A.Compose or a list of transforms, got {compose!r}")
+        raise TypeError(
+            f"from_albumentations: expected an A.Compose or a list of transforms, got {compose!r}"
+        )
     if getattr(compose, "p", 1.0) != 1.0:
-        raise UnsupportedTransformError(f"from_albumentations: Compose(p={compose.p}) is not supported (use p=1)")
+        raise UnsupportedTransformError(
+            f"from_albumentations: Compose(p={compose.p}) is not supported (use p=1)"
+        )
     ops: list[BatchOp] = []
     problems: list[str] = []
     for t in transforms:
@@ -164,7 +184,8 @@ def from_albumentations(compose: Any, dtype: torch.dtype = torch.float32, channe
             ops.append(op)
     if problems:
         raise UnsupportedTransformError(
-            "from_albumentations cannot translate: " + "; ".join(problems)
+            "from_albumentations cannot translate: "
+            + "; ".join(problems)
             + f". Supported: {', '.join(sorted(_TRANSLATORS))}"
         )
     return Pipeline(_fuse_pad_crop(ops), dtype=dtype, channels_last=channels_last, compile=compile)

@@ -5,13 +5,21 @@ The arithmetic lives in :mod:`vision.data.functional.color`; these classes draw 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from vision.data.functional.color import (
-    IMAGENET_MEAN, IMAGENET_STD, as_float, color_jitter, jitter_planes, jitter_tables, normalize, normalize_factors,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    as_float,
+    color_jitter,
+    jitter_planes,
+    jitter_tables,
+    normalize,
+    normalize_factors,
     rgb_to_gray,
 )
 from vision.data.ops import BatchOp, Params, bernoulli, check_p, uniform
@@ -20,7 +28,9 @@ _JITTER_TABLES = ("f", "s", "m", "contrast_slot", "hue", "hue_on")
 _JITTER_PARAMS = ("brightness", "contrast", "saturation", "hue", "order")
 
 
-def _range(value: float | Sequence[float], name: str, center: float, lower_bound: float | None) -> tuple[float, float]:
+def _range(
+    value: float | Sequence[float], name: str, center: float, lower_bound: float | None
+) -> tuple[float, float]:
     """Scalar ``v`` -> ``[max(lb, c - v), c + v]``; a pair is checked and kept (albumentations semantics)."""
     if isinstance(value, (int, float)):
         if value < 0:
@@ -84,7 +94,8 @@ class ColorJitter(BatchOp):
     def apply(self, images: Tensor, params: Params) -> Tensor:
         with_hue = self.hue != (0.0, 0.0)
         if not torch.compiler.is_compiling():  # eagerly: skips per sample what it does not need
-            return color_jitter(images, *(params[k] for k in _JITTER_PARAMS), apply_hue=with_hue)
+            brightness, contrast, saturation, hue, order = (params[k] for k in _JITTER_PARAMS)
+            return color_jitter(images, brightness, contrast, saturation, hue, order, apply_hue=with_hue)
         tables = {k: params[f"jitter_{k}"].to(images.device) for k in _JITTER_TABLES}
         return torch.stack(jitter_planes(as_float(images).unbind(1), tables, with_hue=with_hue), dim=1)
 
@@ -135,7 +146,9 @@ class Normalize(BatchOp):
             return normalize_factors(self.mean, self.std, self.max_pixel_value, channels, device)
         key = (str(device), channels)  # eagerly: made once per device, not on every batch
         if key not in self._factor_cache:
-            self._factor_cache[key] = normalize_factors(self.mean, self.std, self.max_pixel_value, channels, device)
+            self._factor_cache[key] = normalize_factors(
+                self.mean, self.std, self.max_pixel_value, channels, device
+            )
         return self._factor_cache[key]
 
     def apply(self, images: Tensor, params: Params) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -29,15 +29,25 @@ _ids = itertools.count()
 RunOps = Callable[..., tuple[Tensor, Tensor | None]]
 
 
+class _GatheringOp(Protocol):
+    """An op with ``fuses_gather``: its ``apply`` picks the batch's rows (``index``) out of a larger store."""
+
+    def apply(self, images: Tensor, params: Params, index: Tensor | None = None) -> Tensor: ...
+
+
 def ops_runner(ops: Sequence[BatchOp], finish: Callable[[Tensor], Tensor] | None) -> RunOps:
     """``run(x, params, index, targets, out=None) -> (x, targets)``: the ops' ``apply`` in order; the first
     gets ``index`` (the batch's rows of a store) when given; ``finish`` converts the last op's output, which
     is written into ``out`` when given (compiled, the last kernel stores straight into it)."""
 
-    def run(x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None,
-            out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def run(
+        x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None, out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         for i, (op, p) in enumerate(zip(ops, params)):
-            x = op.apply(x, p, index=index) if i == 0 and index is not None else op.apply(x, p)
+            if i == 0 and index is not None:  # the pipeline passes index only to a first op that fuses_gather
+                x = cast(_GatheringOp, op).apply(x, p, index=index)
+            else:
+                x = op.apply(x, p)
             if targets is not None and op.mixes_targets:
                 targets = op.apply_targets(targets, p)
         if finish is not None:
@@ -68,8 +78,15 @@ class CompiledOps:
         name = f"vision_data_pipeline_{next(_ids)}"
         self._compiled = torch.compile(_own_code(run, name), backend=BACKEND, dynamic=False, fullgraph=True)
 
-    def __call__(self, x: Tensor, params: list[Params], index: Tensor | None, targets: Tensor | None,
-                 ragged: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self,
+        x: Tensor,
+        params: list[Params],
+        index: Tensor | None,
+        targets: Tensor | None,
+        ragged: bool,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         if out is not None:
             torch._dynamo.mark_dynamic(out, 0)
         for p in params:

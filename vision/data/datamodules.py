@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,11 +20,26 @@ from typing_extensions import override
 
 from vision.data.color import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from vision.data.datasets import (
-    DatasetError, DatasetNotFoundError, EncodedImages, ImageSet, OnCorrupt, list_classes, list_image_folder,
-    load_cifar10, load_digits_images, load_image_folder, stratified_split,
+    DatasetError,
+    DatasetNotFoundError,
+    EncodedImages,
+    ImageSet,
+    OnCorrupt,
+    list_classes,
+    list_image_folder,
+    load_cifar10,
+    load_digits_images,
+    load_image_folder,
+    stratified_split,
 )
 from vision.data.geometry import (
-    CenterCrop, HorizontalFlip, RandomCrop, RandomResizedCrop, RandomTranslate, Resize, ResizeCenterCrop,
+    CenterCrop,
+    HorizontalFlip,
+    RandomCrop,
+    RandomResizedCrop,
+    RandomTranslate,
+    Resize,
+    ResizeCenterCrop,
 )
 from vision.data.loader import DeviceLoader, Uneven, num_batches
 from vision.data.pipeline import Pipeline
@@ -65,12 +81,12 @@ class _DeviceDataModule(pl.LightningDataModule):
         self.uneven = uneven
         self._train_pipeline = train_pipeline
         self._eval_pipeline = eval_pipeline
-        self._splits: dict[str, ImageSet | EncodedImages] = {}
+        self._splits: Mapping[str, ImageSet | EncodedImages] = {}
         self._train_loader: DeviceLoader | None = None
         self._pending_state: dict[str, Any] | None = None
 
     # subclasses -------------------------------------------------------------------------------------
-    def _build(self) -> dict[str, ImageSet | EncodedImages]:
+    def _build(self) -> Mapping[str, ImageSet | EncodedImages]:
         raise NotImplementedError
 
     def default_train_pipeline(self) -> Pipeline:
@@ -116,17 +132,27 @@ class _DeviceDataModule(pl.LightningDataModule):
         device, rank, world = self._placement()
         images = data if isinstance(data, EncodedImages) else data.images
         loader = DeviceLoader(
-            images, data.targets, self.batch_size, self.train_pipeline if train else self.eval_pipeline,
-            shuffle=train, drop_last=self.drop_last if train else False, seed=self.seed, device=device,
-            rank=rank, world_size=world, uneven=self.uneven, decode_threads=max(1, self.num_workers),
+            images,
+            data.targets,
+            self.batch_size,
+            self.train_pipeline if train else self.eval_pipeline,
+            shuffle=train,
+            drop_last=self.drop_last if train else False,
+            seed=self.seed,
+            device=device,
+            rank=rank,
+            world_size=world,
+            uneven=self.uneven,
+            decode_threads=max(1, self.num_workers),
             on_corrupt=self.on_corrupt,
         )
         if len(loader) == 0:  # only drop_last can empty a loader: a run that would train on nothing
             per_rank = f" per rank ({world} ranks)" if world > 1 else ""
             raise DatasetError(
-                f"the {split} split has {len(data)} images{per_rank}, fewer than batch_size={self.batch_size} with "
-                f"drop_last=True: not one batch to train on. Lower batch_size to at most {len(data) // world} "
-                "(lcv: --data.batch_size) or keep the last partial batch (lcv: --data.drop_last false)"
+                f"the {split} split has {len(data)} images{per_rank}, fewer than "
+                f"batch_size={self.batch_size} with drop_last=True: not one batch to train on. Lower "
+                f"batch_size to at most {len(data) // world} (lcv: --data.batch_size) or keep the last "
+                "partial batch (lcv: --data.drop_last false)"
             )
         return loader
 
@@ -241,8 +267,18 @@ class CIFAR10DataModule(_DeviceDataModule):
         self.limit_per_class = limit_per_class
         self.image_size = 32
         self.num_classes = 10
-        self.class_names = ["airplane", "automobile", "bird", "cat", "deer",
-                            "dog", "frog", "horse", "ship", "truck"]
+        self.class_names = [
+            "airplane",
+            "automobile",
+            "bird",
+            "cat",
+            "deer",
+            "dog",
+            "frog",
+            "horse",
+            "ship",
+            "truck",
+        ]
 
     @override
     def prepare_data(self) -> None:
@@ -254,8 +290,12 @@ class CIFAR10DataModule(_DeviceDataModule):
 
     def _build(self) -> dict[str, ImageSet]:
         if self.zip_path is not None:
-            train = load_image_folder(self.zip_path, "train", None, "raise", self.limit_per_class, self.num_workers)
-            test = load_image_folder(self.zip_path, "test", None, "raise", self.limit_per_class, self.num_workers)
+            train = load_image_folder(
+                self.zip_path, "train", None, "raise", self.limit_per_class, self.num_workers
+            )
+            test = load_image_folder(
+                self.zip_path, "test", None, "raise", self.limit_per_class, self.num_workers
+            )
         else:
             train = load_cifar10(self.root, True, self.download)
             test = load_cifar10(self.root, False, self.download)
@@ -264,7 +304,11 @@ class CIFAR10DataModule(_DeviceDataModule):
 
     def default_train_pipeline(self) -> Pipeline:
         return Pipeline(
-            [RandomCrop(32, padding=4, padding_mode="reflect"), HorizontalFlip(), Normalize(self.mean, self.std)],
+            [
+                RandomCrop(32, padding=4, padding_mode="reflect"),
+                HorizontalFlip(),
+                Normalize(self.mean, self.std),
+            ],
             dtype=self.dtype,
         )
 
@@ -283,9 +327,10 @@ class ImageFolderDataModule(_DeviceDataModule):
     files and warns naming them; ``"raise"`` fails naming the file.
 
     ``val_split``: the folder next to ``train/`` that holds the validation images (default ``"val"``), or a
-    fraction in (0, 1): that share of every class of ``train/`` is held out (seeded with ``seed``) when the data
-    set has no validation folder.  The test split is the validation split.  Every class folder of ``train/``
-    must hold images (a class never seen cannot be learnt); an empty one in the validation folder is a warning.
+    fraction in (0, 1): that share of every class of ``train/`` is held out (seeded with ``seed``) when the
+    data set has no validation folder.  The test split is the validation split.  Every class folder of
+    ``train/`` must hold images (a class never seen cannot be learnt); an empty one in the validation folder
+    is a warning.
     """
 
     mean = IMAGENET_MEAN
@@ -323,40 +368,56 @@ class ImageFolderDataModule(_DeviceDataModule):
         self.class_names = list_classes(root, "train")  # known before setup (models need num_classes)
         self.val_fraction = _val_fraction(root, val_split)
         if self.val_fraction is None:
-            list_classes(root, str(val_split))  # a missing validation folder fails now, not after decoding train
+            list_classes(
+                root, str(val_split)
+            )  # a missing validation folder fails now, not after decoding train
         self.num_classes = len(self.class_names)
         self.skipped = 0
 
     def _load(self, split: str, require_every_class: bool) -> ImageSet | EncodedImages:
         start = time.perf_counter()
         if self.storage == "encoded":
-            data: ImageSet | EncodedImages = list_image_folder(self.root, split, self.limit_per_class,
-                                                               require_every_class)
-            rank_zero_info(f"{split}: {len(data):,} image files in {len(data.class_names)} classes (decoded per batch)")
+            data: ImageSet | EncodedImages = list_image_folder(
+                self.root, split, self.limit_per_class, require_every_class
+            )
+            rank_zero_info(
+                f"{split}: {len(data):,} image files in {len(data.class_names)} classes (decoded per batch)"
+            )
             return data
-        data = load_image_folder(self.root, split, self.storage_size, self.on_corrupt, self.limit_per_class,
-                                 self.num_workers, require_every_class)
+        data = load_image_folder(
+            self.root,
+            split,
+            self.storage_size,
+            self.on_corrupt,
+            self.limit_per_class,
+            self.num_workers,
+            require_every_class,
+        )
         skipped = f", {data.skipped} skipped" if data.skipped else ""
         rank_zero_info(
-            f"{split}: {len(data):,} images in {len(data.class_names)} classes decoded to {self.storage_size}x"
-            f"{self.storage_size} in {time.perf_counter() - start:.1f} s{skipped}"
+            f"{split}: {len(data):,} images in {len(data.class_names)} classes decoded to "
+            f"{self.storage_size}x{self.storage_size} in {time.perf_counter() - start:.1f} s{skipped}"
         )
         return data
 
-    def _build(self) -> dict[str, ImageSet | EncodedImages]:
+    def _build(self) -> Mapping[str, ImageSet | EncodedImages]:
         train = self._load("train", require_every_class=True)
         self.skipped = getattr(train, "skipped", 0)
         if self.val_fraction is not None:
-            kept, held_out = stratified_split(train.targets, (1 - self.val_fraction, self.val_fraction), self.seed)
+            kept, held_out = stratified_split(
+                train.targets, (1 - self.val_fraction, self.val_fraction), self.seed
+            )
             if held_out.numel() == 0:
                 raise DatasetError(
-                    f"val_split={self.val_split} of {len(train)} training images holds out none: raise the fraction "
-                    "or add a val/ folder"
+                    f"val_split={self.val_split} of {len(train)} training images holds out none: raise the "
+                    "fraction or add a val/ folder"
                 )
             val = train.select(held_out)
             train = train.select(kept)
-            rank_zero_info(f"val: {len(val):,} images held out of train/ ({self.val_fraction:.0%} of every class, "
-                           f"seed {self.seed}); train keeps {len(train):,}")
+            rank_zero_info(
+                f"val: {len(val):,} images held out of train/ ({self.val_fraction:.0%} of every class, "
+                f"seed {self.seed}); train keeps {len(train):,}"
+            )
         else:
             val = self._load(str(self.val_split), require_every_class=False)
             self.skipped += getattr(val, "skipped", 0)
@@ -364,22 +425,25 @@ class ImageFolderDataModule(_DeviceDataModule):
                 only_train = sorted(set(train.class_names) - set(val.class_names))
                 only_val = sorted(set(val.class_names) - set(train.class_names))
                 raise DatasetError(
-                    f"the class folders of {self.root!r} differ between train/ and {self.val_split}/: only in train: "
-                    f"{only_train}, only in {self.val_split}: {only_val}; both need the same class folders"
+                    f"the class folders of {self.root!r} differ between train/ and {self.val_split}/: only "
+                    f"in train: {only_train}, only in {self.val_split}: {only_val}; both need the same class "
+                    "folders"
                 )
         self.class_names, self.num_classes = train.class_names, len(train.class_names)
         return {"train": train, "val": val, "test": val}
 
     def default_train_pipeline(self) -> Pipeline:
         return Pipeline(
-            [RandomResizedCrop(self.image_size), HorizontalFlip(), Normalize(self.mean, self.std)], dtype=self.dtype
+            [RandomResizedCrop(self.image_size), HorizontalFlip(), Normalize(self.mean, self.std)],
+            dtype=self.dtype,
         )
 
     def default_eval_pipeline(self) -> Pipeline:
         if self.storage == "encoded":  # images of any size: resize the shorter side, then crop the centre
             resize = max(self.storage_size, self.image_size)
-            return Pipeline([ResizeCenterCrop(self.image_size, resize), Normalize(self.mean, self.std)],
-                            dtype=self.dtype)
+            return Pipeline(
+                [ResizeCenterCrop(self.image_size, resize), Normalize(self.mean, self.std)], dtype=self.dtype
+            )
         crop = int(round(self.storage_size * 0.875)) if self.storage_size else self.image_size
         ops: list = [CenterCrop(min(crop, self.storage_size))]
         if ops[0].size != (self.image_size, self.image_size):
@@ -387,18 +451,18 @@ class ImageFolderDataModule(_DeviceDataModule):
         return Pipeline([*ops, Normalize(self.mean, self.std)], dtype=self.dtype)
 
 
-
 def _val_fraction(root: str, val_split: float | str) -> float | None:
     """``val_split`` as a fraction of train, or ``None`` when it names a validation folder."""
     if isinstance(val_split, str):
+        folder = val_split
         try:
-            val_split = float(val_split)
+            val_split = float(folder)
         except ValueError:
-            if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, val_split)):
+            if root.lower().endswith(".zip") or os.path.isdir(os.path.join(root, folder)):
                 return None
             raise DatasetNotFoundError(
-                f"no {val_split!r} folder in {root!r} (expected {root}/{val_split}/<class>/<image>): add one, or hold "
-                "out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
+                f"no {folder!r} folder in {root!r} (expected {root}/{folder}/<class>/<image>): add "
+                "one, or hold out a share of train/ with val_split=0.2 (lcv: --data.val_split 0.2)"
             ) from None
     if isinstance(val_split, bool) or not 0.0 < float(val_split) < 1.0:
         raise ValueError(f"val_split must be a folder name or a fraction in (0, 1), got {val_split!r}")

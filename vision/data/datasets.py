@@ -22,19 +22,24 @@ import os
 import threading
 import warnings
 import zipfile
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+if TYPE_CHECKING:  # for the annotation; decode_jpeg_batch imports it when called
+    from vision.data.ops import RaggedBatch
+
 OnCorrupt = Literal["raise", "skip"]
 
 
 class DatasetError(ValueError):
-    """Something wrong with the user's images or folders (not with the code): ``lcv`` reports it in one line."""
+    """Something wrong with the user's images or folders (not with the code): ``lcv`` reports it in one
+    line."""
 
 
 class DatasetNotFoundError(DatasetError, FileNotFoundError):
@@ -87,7 +92,9 @@ def load_cifar10(root: str | None, train: bool, download: bool = False) -> Image
     import torchvision
 
     if root is None:
-        raise ValueError("CIFAR-10: no root given; pass root='<dir>' (and download=True to fetch it) or zip_path=")
+        raise ValueError(
+            "CIFAR-10: no root given; pass root='<dir>' (and download=True to fetch it) or zip_path="
+        )
     try:
         ds = torchvision.datasets.CIFAR10(root, train=train, download=download)
     except RuntimeError as err:
@@ -169,7 +176,7 @@ def _list_zip(zf: zipfile.ZipFile, split: str) -> FolderListing:
     for name in zf.namelist():
         if not name.startswith(prefix):
             continue
-        parts = name[len(prefix):].split("/")
+        parts = name[len(prefix) :].split("/")
         if len(parts) >= 2 and parts[0] and not any(_hidden(p) for p in parts if p):
             entries.append((parts[0], name, bool(parts[-1])))  # (class, member, is a file)
     classes = sorted({c for c, _, _ in entries})
@@ -186,8 +193,9 @@ def _open_zip(path: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except zipfile.BadZipFile as err:
-        raise DatasetError(f"{path!r} is not a zip file ({err}); pass a folder or a zip of <split>/<class>/<image>") \
-            from err
+        raise DatasetError(
+            f"{path!r} is not a zip file ({err}); pass a folder or a zip of <split>/<class>/<image>"
+        ) from err
 
 
 def _listing(root: str, split: str, require_every_class: bool) -> FolderListing:
@@ -209,18 +217,20 @@ def _listing(root: str, split: str, require_every_class: bool) -> FolderListing:
     if listing.undecodable:
         warnings.warn(
             f"ignored {len(listing.undecodable)} image file(s) under {listing.where!r} of a type torchvision "
-            f"cannot decode (convert them to JPEG/PNG): {_named(listing.undecodable)}", stacklevel=3,
+            f"cannot decode (convert them to JPEG/PNG): {_named(listing.undecodable)}",
+            stacklevel=3,
         )
     empty = listing.empty_classes()
     if empty and require_every_class:
         raise DatasetError(
-            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images: a class the model never "
-            "sees cannot be learnt; add images or remove the folder(s)"
+            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images: a class the model "
+            "never sees cannot be learnt; add images or remove the folder(s)"
         )
     if empty:
         warnings.warn(
-            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images (kept as classes, so the "
-            "class indices match the other splits)", stacklevel=3,
+            f"class folder(s) {_named(empty)} under {listing.where!r} hold no images (kept as classes, so "
+            "the class indices match the other splits)",
+            stacklevel=3,
         )
     return listing
 
@@ -232,8 +242,11 @@ def list_classes(root: str, split: str) -> list[str]:
     if root.lower().endswith(".zip"):
         with _open_zip(root) as zf:
             prefix = split.strip("/") + "/"
-            names = {n[len(prefix):].split("/")[0] for n in zf.namelist() if n.startswith(prefix) and
-                     n.count("/") >= 2}
+            names = {
+                n[len(prefix) :].split("/")[0]
+                for n in zf.namelist()
+                if n.startswith(prefix) and n.count("/") >= 2
+            }
             classes = sorted(c for c in names if c and not _hidden(c))
     else:
         base = os.path.join(root, split)
@@ -241,7 +254,9 @@ def list_classes(root: str, split: str) -> list[str]:
             raise DatasetNotFoundError(
                 f"image folder split not found: {base!r} (expected {root}/{split}/<class>/<image>)"
             )
-        classes = sorted(d for d in os.listdir(base) if not _hidden(d) and os.path.isdir(os.path.join(base, d)))
+        classes = sorted(
+            d for d in os.listdir(base) if not _hidden(d) and os.path.isdir(os.path.join(base, d))
+        )
     if not classes:
         raise DatasetNotFoundError(f"no class folders under {split!r} in {root!r}")
     return classes
@@ -268,7 +283,9 @@ def decode_image_bytes(data: bytes, name: str) -> Tensor:
     import torchvision.transforms.v2.functional as TF
 
     try:
-        img = tio.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tio.ImageReadMode.RGB)
+        img = tio.decode_image(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tio.ImageReadMode.RGB
+        )
     except Exception as err:  # torchvision raises RuntimeError with libjpeg/libpng messages
         raise CorruptImageError(f"cannot decode image {name!r}: {err}") from err
     if img.dtype != torch.uint8:
@@ -291,7 +308,7 @@ def fit_to_square(img: Tensor, size: int) -> Tensor:
 PROGRESS_DELAY_S = 3.0
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str) -> Any:  # a tqdm bar (untyped), or None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -300,8 +317,12 @@ def _progress(total: int, desc: str):
 
 
 def _decode_all(
-    items: Sequence[tuple[str, int]], read: Callable[[str], bytes], storage_size: int | None,
-    on_corrupt: OnCorrupt, num_threads: int, desc: str,
+    items: Sequence[tuple[str, int]],
+    read: Callable[[str], bytes],
+    storage_size: int | None,
+    on_corrupt: OnCorrupt,
+    num_threads: int,
+    desc: str,
 ) -> tuple[Tensor, Tensor, list[str]]:
     """Decode ``items`` in threads straight into one preallocated uint8 tensor (no stacking pass afterwards,
     no second copy in memory): ``(images, labels, skipped files)``."""
@@ -338,7 +359,8 @@ def _decode_all(
             elif img.shape != out.shape[1:]:
                 raise DatasetError(
                     f"{path!r} is {img.shape[2]}x{img.shape[1]} but the first image is {out.shape[3]}x"
-                    f"{out.shape[2]}: images of different sizes need storage_size=<int> to store them at one size"
+                    f"{out.shape[2]}: images of different sizes need storage_size=<int> to store them at one "
+                    "size"
                 )
             out[len(labels)] = img
             labels.append(label)
@@ -363,8 +385,8 @@ def load_image_folder(
     :class:`ImageSet`.
 
     Images in sub-folders of a class folder belong to that class (as in torchvision's ``ImageFolder``); hidden
-    files (macOS ``._*``, ``.DS_Store``) are not images. ``storage_size`` resizes every image to a square of that
-    side (needed when sizes differ). ``on_corrupt="skip"`` drops undecodable files and warns naming them;
+    files (macOS ``._*``, ``.DS_Store``) are not images. ``storage_size`` resizes every image to a square of
+    that side (needed when sizes differ). ``on_corrupt="skip"`` drops undecodable files and warns naming them;
     ``"raise"`` names the first one. A class folder without images is a warning, or an error with
     ``require_every_class``.
     """
@@ -376,15 +398,19 @@ def load_image_folder(
             blobs = {name: zf.read(name) for name, _ in items}
         read: Callable[[str], bytes] = blobs.__getitem__
     else:
+
         def read(path: str) -> bytes:
             with open(path, "rb") as fh:
                 return fh.read()
 
-    images, labels, skipped = _decode_all(items, read, storage_size, on_corrupt, num_threads,
-                                          f"decoding {os.path.basename(root)}/{split}")
+    images, labels, skipped = _decode_all(
+        items, read, storage_size, on_corrupt, num_threads, f"decoding {os.path.basename(root)}/{split}"
+    )
     if skipped:
-        warnings.warn(f"skipped {len(skipped)} corrupt or unreadable image(s) in {root!r} ({split}): "
-                      f"{_named(skipped)}", stacklevel=2)
+        warnings.warn(
+            f"skipped {len(skipped)} corrupt or unreadable image(s) in {root!r} ({split}): {_named(skipped)}",
+            stacklevel=2,
+        )
     if not len(labels):
         raise DatasetError(f"no decodable images in {root!r} ({split}); {len(skipped)} file(s) were corrupt")
     return ImageSet(images, labels, listing.classes, skipped)
@@ -395,12 +421,12 @@ def is_jpeg(data: bytes) -> bool:
     return data[:3] == b"\xff\xd8\xff"
 
 
-def decode_jpeg_batch(data: Sequence[bytes], device: torch.device | str = "cuda"):
+def decode_jpeg_batch(data: Sequence[bytes], device: torch.device | str = "cuda") -> RaggedBatch:
     """Batched JPEG decode (``torchvision.io.decode_jpeg(list, device=...)``, nvJPEG on CUDA) into a
     :class:`~vision.data.pipeline.RaggedBatch` that a resizing first op can augment directly."""
     import torchvision.io as tio
 
-    from vision.data.pipeline import RaggedBatch
+    from vision.data.ops import RaggedBatch
 
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
     decoded = tio.decode_jpeg(tensors, mode=tio.ImageReadMode.RGB, device=device)
@@ -415,8 +441,9 @@ class EncodedImages:
     thread-safe).
     """
 
-    def __init__(self, sources: Sequence[str], targets: Tensor, class_names: list[str],
-                 zip_path: str | None = None):
+    def __init__(
+        self, sources: Sequence[str], targets: Tensor, class_names: list[str], zip_path: str | None = None
+    ):
         if len(sources) != targets.shape[0]:
             raise ValueError(f"EncodedImages: {len(sources)} files but {targets.shape[0]} targets")
         self.sources = list(sources)
@@ -430,8 +457,12 @@ class EncodedImages:
 
     def select(self, indices: Tensor) -> EncodedImages:
         """The samples at ``indices`` (e.g. one part of a split)."""
-        return EncodedImages([self.sources[i] for i in indices.tolist()], self.targets[indices], self.class_names,
-                             self.zip_path)
+        return EncodedImages(
+            [self.sources[i] for i in indices.tolist()],
+            self.targets[indices],
+            self.class_names,
+            self.zip_path,
+        )
 
     def name(self, i: int) -> str:
         """The file that sample ``i`` comes from (for error messages)."""
@@ -460,20 +491,23 @@ class EncodedImages:
         self._local = threading.local()
 
 
-def list_image_folder(root: str, split: str, limit_per_class: int | None = None,
-                      require_every_class: bool = False) -> EncodedImages:
+def list_image_folder(
+    root: str, split: str, limit_per_class: int | None = None, require_every_class: bool = False
+) -> EncodedImages:
     """The files of ``<root>/<split>/<class>/**`` (``root`` may be a ``.zip``), not decoded: see
     :class:`EncodedImages` (and :func:`load_image_folder` for what counts as an image)."""
     listing = _listing(root, split, require_every_class)
     items = _take_per_class(listing.items, limit_per_class)
     zip_path = root if root.lower().endswith(".zip") else None
-    return EncodedImages([p for p, _ in items], torch.tensor([c for _, c in items], dtype=torch.int64),
-                         listing.classes, zip_path)
+    return EncodedImages(
+        [p for p, _ in items],
+        torch.tensor([c for _, c in items], dtype=torch.int64),
+        listing.classes,
+        zip_path,
+    )
 
 
-def stratified_split(
-    targets: Tensor, fractions: Sequence[float], seed: int
-) -> list[Tensor]:
+def stratified_split(targets: Tensor, fractions: Sequence[float], seed: int) -> list[Tensor]:
     """Deterministic per-class split of indices by ``fractions`` (summing to 1) with ``seed``."""
     if abs(sum(fractions) - 1.0) > 1e-6:
         raise ValueError(f"split fractions must sum to 1, got {fractions}")
@@ -488,5 +522,5 @@ def stratified_split(
             acc += f
             bounds.append(int(round(acc * idx.numel())))
         for i in range(len(fractions)):
-            parts[i].append(idx[bounds[i]: bounds[i + 1]])
+            parts[i].append(idx[bounds[i] : bounds[i + 1]])
     return [torch.sort(torch.cat(p)).values for p in parts]

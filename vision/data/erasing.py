@@ -7,7 +7,8 @@ The fill value is in the units the images have at that point of the pipeline (0.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

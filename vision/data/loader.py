@@ -1,4 +1,5 @@
-"""The batch loader: uint8 images in memory (on the device when they fit), per-batch augmentation on the device.
+"""The batch loader: uint8 images in memory (on the device when they fit), per-batch augmentation on the
+device.
 
 Ordering and augmentation are counter-based: the permutation of epoch ``e`` and the augmentation generator
 of batch ``b`` are seeded from ``(seed, e)`` and ``(seed, e, rank, b)``, so the loader's whole random state
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, Literal
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -75,10 +77,10 @@ def split_batches(shard: Tensor, batch_size: int, count: int, drop_last: bool) -
     With ``uneven="exact"`` a rank whose shard is one longer than the shortest gets that extra sample in its
     last batch (which may then hold ``batch_size + 1``): every rank keeps the same number of batches.
     """
-    out = [shard[b * batch_size: (b + 1) * batch_size] for b in range(count - 1)]
+    out = [shard[b * batch_size : (b + 1) * batch_size] for b in range(count - 1)]
     if count > 0:
         end = count * batch_size if drop_last else shard.numel()
-        out.append(shard[(count - 1) * batch_size: end])
+        out.append(shard[(count - 1) * batch_size : end])
     return out
 
 
@@ -139,31 +141,33 @@ class DeviceLoader:
         on_corrupt: OnCorrupt = "raise",
     ):
         encoded = isinstance(images, EncodedImages)
-        if not encoded:
+        if not isinstance(images, EncodedImages):
             check_image_batch(images)
             if images.dtype != torch.uint8:
                 raise TypeError(f"DeviceLoader stores uint8 images (0..255); got dtype {images.dtype}")
-        num_samples = len(images) if encoded else int(images.shape[0])
+        num_samples = len(images) if isinstance(images, EncodedImages) else int(images.shape[0])
         if num_samples == 0:
             raise ValueError("DeviceLoader: the data set is empty (0 images)")
         if batch_size < 1:
             raise ValueError(f"DeviceLoader: batch_size must be >= 1, got {batch_size}")
         if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"DeviceLoader: pipeline must be a vision.data.Pipeline, got {type(pipeline).__name__}")
+            raise TypeError(
+                f"DeviceLoader: pipeline must be a vision.data.Pipeline, got {type(pipeline).__name__}"
+            )
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         shard_indices(torch.arange(1), rank, world_size, uneven)  # validates rank and uneven
         if uneven == "exact" and num_samples < world_size:
             raise ValueError(
-                f"DeviceLoader: {num_samples} samples cannot give each of {world_size} ranks one exactly once; "
-                "use uneven='pad'"
+                f"DeviceLoader: {num_samples} samples cannot give each of {world_size} ranks one exactly "
+                "once; use uneven='pad'"
             )
         targets = _check_targets(targets, num_samples)
         if encoded and (not pipeline.ops or not pipeline.ops[0].accepts_ragged):
             first = type(pipeline.ops[0]).__name__ if pipeline.ops else "nothing"
             raise ValueError(
-                "DeviceLoader: images decoded per batch have different sizes, so the pipeline must start with "
-                f"RandomResizedCrop, Resize or ResizeCenterCrop; it starts with {first}"
+                "DeviceLoader: images decoded per batch have different sizes, so the pipeline must start "
+                f"with RandomResizedCrop, Resize or ResizeCenterCrop; it starts with {first}"
             )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.batch_size = batch_size
@@ -177,11 +181,12 @@ class DeviceLoader:
         self.num_samples = num_samples
         self.on_corrupt: OnCorrupt = on_corrupt
         self.skipped = 0
-        self._encoded = images if encoded else None
+        self._encoded = images if isinstance(images, EncodedImages) else None
         self._pool = ThreadPoolExecutor(max(1, decode_threads), "vision-decode") if encoded else None
-        if encoded:
+        self._images: Tensor | None
+        if isinstance(images, EncodedImages):
             self.resident = False
-            self._images: Tensor | None = None
+            self._images = None
         else:
             if resident is None:
                 resident = self.device.type == "cpu" or _fits_on_device(images, self.device)
@@ -232,7 +237,7 @@ class DeviceLoader:
         return self.pipeline.batch_normalization()
 
     @property
-    def sampler(self) -> "DeviceLoader":
+    def sampler(self) -> DeviceLoader:
         # Lightning's `_set_sampler_epoch` looks for `loader.sampler.set_epoch`.
         return self
 
@@ -242,6 +247,7 @@ class DeviceLoader:
         if self._encoded is None:
             return indices
         decode_on_cpu = self.device.type != "cuda"
+        assert self._pool is not None  # made with _encoded
         return indices, [self._pool.submit(self._read_one, int(i), decode_on_cpu) for i in indices]
 
     def _read_one(self, i: int, decode: bool) -> Tensor | bytes | None:
@@ -263,7 +269,8 @@ class DeviceLoader:
         items: list[Tensor | bytes | None] = [f.result() for f in futures]
         jpegs = [j for j, item in enumerate(items) if isinstance(item, bytes)]
         if jpegs:
-            decoded = self._decode_jpegs_on_device([items[j] for j in jpegs], indices[jpegs])  # type: ignore[misc]
+            blobs = [item for item in items if isinstance(item, bytes)]  # items[j] for j in jpegs
+            decoded = self._decode_jpegs_on_device(blobs, indices[jpegs])
             for j, img in zip(jpegs, decoded):
                 items[j] = img
         keep = [j for j, item in enumerate(items) if item is not None]
@@ -271,8 +278,8 @@ class DeviceLoader:
         if not keep:
             names = ", ".join(repr(self._encoded.name(int(i))) for i in indices)
             raise CorruptImageError(f"every image of a batch is corrupt, nothing left to skip to: {names}")
-        images = [items[j] for j in keep]
-        return RaggedBatch.from_images(images, device=self.device), indices[keep]  # type: ignore[arg-type]
+        images = [item for item in items if isinstance(item, Tensor)]  # items[j] for j in keep: all decoded
+        return RaggedBatch.from_images(images, device=self.device), indices[keep]
 
     def _decode_jpegs_on_device(self, blobs: list[bytes], indices: Tensor) -> list[Tensor | None]:
         """nvJPEG, all at once; if that fails, one by one on the CPU to name (or skip) the corrupt file."""
@@ -298,21 +305,32 @@ class DeviceLoader:
         if self._encoded is not None:
             ragged, indices = self._decode(fetched)
             targets = self._targets.index_select(0, indices).to(self.device, non_blocking=True)
-            return self.pipeline(ragged, targets, g)
+            return self._augment(ragged, targets, g)
         indices = fetched
+        assert self._images is not None  # a tensor store (not encoded)
         if self.resident:  # the pipeline builds its index tables from the CPU indices
             idx = indices.to(self.device, non_blocking=True)
-            return self.pipeline(self._images, self._targets.index_select(0, idx), g, index=indices)
-        assert self._images is not None
+            return self._augment(self._images, self._targets.index_select(0, idx), g, index=indices)
         if self.device.type == "cuda":  # gather straight into pinned memory, then an async copy
-            host = torch.empty((indices.numel(), *self._images.shape[1:]), dtype=torch.uint8,
-                               memory_format=_memory_format(self._images), pin_memory=True)
+            host = torch.empty(
+                (indices.numel(), *self._images.shape[1:]),
+                dtype=torch.uint8,
+                memory_format=_memory_format(self._images),
+                pin_memory=True,
+            )
             torch.index_select(self._images, 0, indices, out=host)
             store = host.to(self.device, non_blocking=True)
         else:
             store = self._images.index_select(0, indices)
         targets = self._targets.index_select(0, indices).to(self.device, non_blocking=True)
-        return self.pipeline(store, targets, g)
+        return self._augment(store, targets, g)
+
+    def _augment(
+        self, images: Tensor | RaggedBatch, targets: Tensor, g: torch.Generator, index: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        out, augmented = self.pipeline(images, targets, g, index=index)
+        assert augmented is not None  # the pipeline returns targets when it is given them
+        return out, augmented
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         return self._pass()
@@ -343,8 +361,10 @@ class DeviceLoader:
                 self.position = b + 1
                 yield x, y
         if self.skipped > skipped_before:
-            warnings.warn(f"skipped {self.skipped - skipped_before} corrupt or unreadable image(s) in epoch {epoch}",
-                          stacklevel=2)
+            warnings.warn(
+                f"skipped {self.skipped - skipped_before} corrupt or unreadable image(s) in epoch {epoch}",
+                stacklevel=2,
+            )
 
     def _iterate_cuda(self, batches: list[Tensor], epoch: int, start: int) -> Iterator[tuple[Tensor, Tensor]]:
         """Batch ``b + 1`` is fetched, copied and augmented on a side stream while ``b`` is consumed."""
@@ -380,9 +400,14 @@ class DeviceLoader:
     def state_dict(self) -> dict[str, Any]:
         """``(seed, epoch, position)`` is the complete random state (see module docstring)."""
         return {
-            "seed": self.seed, "epoch": self.epoch, "position": self.position,
-            "num_samples": self.num_samples, "world_size": self.world_size, "batch_size": self.batch_size,
-            "uneven": self.uneven, "drop_last": self.drop_last,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "uneven": self.uneven,
+            "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -401,14 +426,18 @@ class DeviceLoader:
 
 def _check_targets(targets: Any, n: int) -> Tensor:
     if not isinstance(targets, Tensor):
-        raise TypeError(f"DeviceLoader: targets must be a tensor of class indices, got {type(targets).__name__}")
+        raise TypeError(
+            f"DeviceLoader: targets must be a tensor of class indices, got {type(targets).__name__}"
+        )
     if targets.ndim != 1 or targets.shape[0] != n:
-        raise ValueError(f"DeviceLoader: targets must be (N,) with N = {n} images, got {tuple(targets.shape)}")
+        raise ValueError(
+            f"DeviceLoader: targets must be (N,) with N = {n} images, got {tuple(targets.shape)}"
+        )
     if targets.dtype.is_floating_point or targets.dtype.is_complex:
         if not bool((targets == targets.round()).all()):
             raise TypeError(
-                f"DeviceLoader: targets must be integer class indices, got non-integral {targets.dtype} values "
-                "(soft targets come from MixupCutmix in the pipeline)"
+                f"DeviceLoader: targets must be integer class indices, got non-integral {targets.dtype} "
+                "values (soft targets come from MixupCutmix in the pipeline)"
             )
     elif targets.dtype == torch.bool:
         raise TypeError("DeviceLoader: targets must be integer class indices, got torch.bool")

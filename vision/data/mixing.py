@@ -70,8 +70,11 @@ class MixupCutmix(BatchOp):
     def _draw(self, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
             use_cutmix = rng.random(k) < self.switch_prob
-            lam = np.where(use_cutmix, rng.beta(self.cutmix_alpha, self.cutmix_alpha, k),
-                           rng.beta(self.mixup_alpha, self.mixup_alpha, k))
+            lam = np.where(
+                use_cutmix,
+                rng.beta(self.cutmix_alpha, self.cutmix_alpha, k),
+                rng.beta(self.mixup_alpha, self.mixup_alpha, k),
+            )
         elif self.mixup_alpha > 0:
             use_cutmix = np.zeros(k, dtype=bool)
             lam = rng.beta(self.mixup_alpha, self.mixup_alpha, k)
@@ -113,6 +116,7 @@ class MixupCutmix(BatchOp):
             soft = targets.float()
         else:
             raise ValueError(
-                f"MixupCutmix: targets must be (N,) class indices or (N, {self.num_classes}), got {tuple(targets.shape)}"
+                f"MixupCutmix: targets must be (N,) class indices or (N, {self.num_classes}), got "
+                f"{tuple(targets.shape)}"
             )
         return mix_targets(soft, params["lam"])

@@ -20,8 +20,9 @@ What an op can fuse is declared on the op, never inferred from its type by the p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,19 +47,25 @@ class RaggedBatch:
     widths: Tensor
 
     @classmethod
-    def from_images(cls, images: Sequence[Tensor], device: torch.device | str | None = None) -> "RaggedBatch":
+    def from_images(cls, images: Sequence[Tensor], device: torch.device | str | None = None) -> RaggedBatch:
         if len(images) == 0:
             raise ValueError("RaggedBatch.from_images: got an empty list of images")
         channels = {int(im.shape[0]) for im in images}
         if len(channels) != 1:
-            raise ValueError(f"RaggedBatch.from_images: images have different channel counts {sorted(channels)}")
+            raise ValueError(
+                f"RaggedBatch.from_images: images have different channel counts {sorted(channels)}"
+            )
         heights = torch.tensor([int(im.shape[-2]) for im in images], dtype=torch.int64)
         widths = torch.tensor([int(im.shape[-1]) for im in images], dtype=torch.int64)
         device = torch.device(device) if device is not None else images[0].device
-        # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy, and
-        # the CPU resize (functional.geometry.resize_boxes) reads channels_last.
-        canvas = torch.empty((len(images), channels.pop(), int(heights.max()), int(widths.max())),
-                             dtype=images[0].dtype, device=device, memory_format=torch.channels_last)
+        # channels_last: decoders give (C, H, W) views of (H, W, C) pixels, so each copy is a plain memcpy,
+        # and the CPU resize (functional.geometry.resize_boxes) reads channels_last.
+        canvas = torch.empty(
+            (len(images), channels.pop(), int(heights.max()), int(widths.max())),
+            dtype=images[0].dtype,
+            device=device,
+            memory_format=torch.channels_last,
+        )
 
         def place(rows: range) -> None:
             for i in rows:
@@ -77,7 +84,7 @@ class RaggedBatch:
     def __len__(self) -> int:
         return int(self.canvas.shape[0])
 
-    def __getitem__(self, rows: slice) -> "RaggedBatch":
+    def __getitem__(self, rows: slice) -> RaggedBatch:
         """The images ``rows`` (a slice) of the batch."""
         return RaggedBatch(self.canvas[rows], self.heights[rows], self.widths[rows])
 
@@ -118,7 +125,8 @@ class BatchOp:
         raise NotImplementedError
 
     def compiles_on(self, device: torch.device) -> bool:
-        """Whether the pipeline compiles this op's ``apply`` for images on ``device`` (default: ``compilable``)."""
+        """Whether the pipeline compiles this op's ``apply`` for images on ``device`` (default:
+        ``compilable``)."""
         return self.compilable
 
     def apply_targets(self, targets: Tensor, params: Params) -> Tensor:

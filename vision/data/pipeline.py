@@ -24,8 +24,8 @@ and the outputs of large images reuse the memory of batches the caller dropped (
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,8 +56,13 @@ class Pipeline:
             input and output size); ``False`` runs them eagerly.
     """
 
-    def __init__(self, ops: Sequence[BatchOp], dtype: torch.dtype = torch.float32, channels_last: bool = True,
-                 compile: bool = True):
+    def __init__(
+        self,
+        ops: Sequence[BatchOp],
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = True,
+        compile: bool = True,
+    ):
         ops = list(ops)
         for i, op in enumerate(ops):
             if not isinstance(op, BatchOp):
@@ -111,11 +116,13 @@ class Pipeline:
         """
         ragged = isinstance(images, RaggedBatch)
         if index is not None:
-            if ragged:
+            if isinstance(images, RaggedBatch):
                 raise TypeError("Pipeline: index= is only supported with a tensor image store")
             check_image_batch(images)
             if not (self.ops and self.ops[0].fuses_gather):
                 images, index = images.index_select(0, index.to(images.device)), None
+        height: Tensor | int  # per image (a RaggedBatch's sizes) or the batch's
+        width: Tensor | int
         if isinstance(images, RaggedBatch):
             if not self.ops or not self.ops[0].accepts_ragged:
                 first = type(self.ops[0]).__name__ if self.ops else "nothing"
@@ -140,7 +147,8 @@ class Pipeline:
             prepared = self._prepare(params, tuple(source.shape), n, index, source.device)
         index = index.to(source.device) if index is not None else None
         if not self.compile or self._compile_failed or n == 1:
-            # A batch of one runs eagerly: PyTorch specialises sizes 0 and 1, so it would compile a second graph.
+            # A batch of one runs eagerly: PyTorch specialises sizes 0 and 1, so it would compile a second
+            # graph.
             return self._run_eager(source, prepared, index, targets)
         try:
             with torch.inference_mode(False), torch.no_grad():
@@ -149,22 +157,29 @@ class Pipeline:
             out, targets = self._run_eager(source, prepared, index, targets)  # the ops' own errors raise here
             self._compile_failed = True
             message = str(compiled_error).strip().splitlines()[0] if str(compiled_error).strip() else ""
-            warnings.warn(f"Pipeline: torch.compile failed ({type(compiled_error).__name__}: {message}); "
-                          "running this pipeline's ops eagerly from now on", stacklevel=2)
+            warnings.warn(
+                f"Pipeline: torch.compile failed ({type(compiled_error).__name__}: {message}); "
+                "running this pipeline's ops eagerly from now on",
+                stacklevel=2,
+            )
         return out, targets
 
     # ------------------------------------------------------------------------------------------- planning
-    def _prepare(self, params: list[Params], shape: tuple[int, ...], n: int, index: Tensor | None,
-                 device: torch.device) -> list[Params]:
-        """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on ``device``."""
+    def _prepare(
+        self, params: list[Params], shape: tuple[int, ...], n: int, index: Tensor | None, device: torch.device
+    ) -> list[Params]:
+        """Per step: the params of its op and of the ops folded into it, made into tables (CPU), on
+        ``device``."""
         index_cpu = index.cpu() if index is not None else None
-        prepared = []
+        prepared: list[Params] = []
         for step in self._steps:
             op = self.ops[step[0]]
             merged = dict(params[step[0]])
             for j in step[1:]:
                 merged.update(self.ops[j].fold_as(params[j]))
-            prepared.append(_params_to(op.prepare(merged, shape, index_cpu if not prepared else None), device))
+            prepared.append(
+                _params_to(op.prepare(merged, shape, index_cpu if not prepared else None), device)
+            )
             height, width = op.output_size(shape[-2], shape[-1])
             shape = (n, shape[1], int(height), int(width))
         return prepared
@@ -180,7 +195,8 @@ class Pipeline:
         return [self.ops[step[0]] for step in self._steps]
 
     def _compiled_segments(self, device: torch.device) -> list[tuple[int, int, CompiledOps | None]]:
-        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops not compiled on ``device``."""
+        """Runs of steps: ``(start, end, compiled runner)``, the runner None for ops not compiled on
+        ``device``."""
         if device.type not in self._segments:
             ops = self._step_ops()
             compiles = [op.compiles_on(device) for op in ops]
@@ -198,14 +214,19 @@ class Pipeline:
         return self._segments[device.type]
 
     # ------------------------------------------------------------------------------------------- running
-    def _run_compiled(self, x: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None,
-                      ragged: bool) -> tuple[Tensor, Tensor | None]:
+    def _run_compiled(
+        self, x: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None, ragged: bool
+    ) -> tuple[Tensor, Tensor | None]:
         ops = self._step_ops()
         if not ops:
             return self._finish(x), targets
         n = index.shape[0] if index is not None else x.shape[0]
-        if (x.device.type == "cpu" and not self.mixes_targets and n > _LARGE_CHUNK
-                and self._output_pixels(x) >= _LARGE_OUTPUT):
+        if (
+            x.device.type == "cpu"
+            and not self.mixes_targets
+            and n > _LARGE_CHUNK
+            and self._output_pixels(x) >= _LARGE_OUTPUT
+        ):
             # Large images: a few per call, so that the kernels' intermediate planes stay in the core's cache
             # (the whole batch's would go through memory: twice as slow on a 2-core CPU), on single-threaded
             # workers like the eager path (see _map_rows).
@@ -221,9 +242,16 @@ class Pipeline:
             return out, targets
         return self._run_segments(ops, x, prepared, index, targets, ragged)
 
-    def _run_segments(self, ops: list[BatchOp], x: Tensor, prepared: list[Params], index: Tensor | None,
-                      targets: Tensor | None, ragged: bool, out: Tensor | None = None
-                      ) -> tuple[Tensor, Tensor | None]:
+    def _run_segments(
+        self,
+        ops: list[BatchOp],
+        x: Tensor,
+        prepared: list[Params],
+        index: Tensor | None,
+        targets: Tensor | None,
+        ragged: bool,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         for start, end, compiled in self._compiled_segments(x.device):
             last = end == len(ops)
             if compiled is not None and x.device.type == "cpu":
@@ -234,16 +262,19 @@ class Pipeline:
                 if last:
                     x, _ = ops_runner([], self._finish)(x, [], None, None, out)
             elif compiled is not None:
-                x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0,
-                                      out if last else None)
+                x, targets = compiled(
+                    x, prepared[start:end], index, targets, ragged and start == 0, out if last else None
+                )
             else:
                 x, targets = ops_runner(ops[start:end], self._finish if last else None)(
-                    x, prepared[start:end], index, targets, out if last else None)
+                    x, prepared[start:end], index, targets, out if last else None
+                )
             index = None
         return x, targets
 
-    def _run_eager(self, source: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None
-                   ) -> tuple[Tensor, Tensor | None]:
+    def _run_eager(
+        self, source: Tensor, prepared: list[Params], index: Tensor | None, targets: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
         ops = self._step_ops()
         n = index.shape[0] if index is not None else source.shape[0]
         if source.device.type == "cpu" and not self.mixes_targets:
@@ -272,8 +303,15 @@ class Pipeline:
             return self._outputs.take(shape, self.dtype, fmt)
         return torch.empty(shape, dtype=self.dtype, device=source.device, memory_format=fmt)
 
-    def _run_chunked(self, ops: list[BatchOp], source: Tensor, prepared: list[Params], chunk: int,
-                     index: Tensor | None, out: Tensor) -> None:
+    def _run_chunked(
+        self,
+        ops: list[BatchOp],
+        source: Tensor,
+        prepared: list[Params],
+        chunk: int,
+        index: Tensor | None,
+        out: Tensor,
+    ) -> None:
         """Eagerly on CPU: run the ops on slices of the batch (see :meth:`_map_rows`)."""
 
         def run_rows(rows: slice) -> None:
@@ -314,12 +352,15 @@ class Pipeline:
 
     def __repr__(self) -> str:
         inner = "".join(f"\n  {op!r}," for op in self.ops)
-        return (f"Pipeline([{inner}\n], dtype={self.dtype}, channels_last={self.channels_last}, "
-                f"compile={self.compile})")
+        return (
+            f"Pipeline([{inner}\n], dtype={self.dtype}, channels_last={self.channels_last}, "
+            f"compile={self.compile})"
+        )
 
 
 def _fold_steps(ops: list[BatchOp]) -> list[list[int]]:
-    """Group each op with the ops right after it that it declares it can take over (``folds``/``fold_key``)."""
+    """Group each op with the ops right after it that it declares it can take over
+    (``folds``/``fold_key``)."""
     steps: list[list[int]] = []
     i = 0
     while i < len(ops):
@@ -347,5 +388,3 @@ def _cpu_chunk_size(n: int, out_pixels: int) -> int:
     if out_pixels >= _LARGE_OUTPUT:
         return 4
     return max(1, -(-n // (4 * threads)))
-
-

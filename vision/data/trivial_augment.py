@@ -94,12 +94,27 @@ def trivial_augment_op(image: Tensor, name: str, magnitude: float) -> Tensor:
     if name in ("ShearX", "ShearY"):
         degrees = math.degrees(math.atan(magnitude))
         shear = [degrees, 0.0] if name == "ShearX" else [0.0, degrees]
-        return F.affine(image, angle=0.0, translate=[0, 0], scale=1.0, shear=shear, interpolation=nearest,
-                        fill=None, center=[0, 0])
+        return F.affine(
+            image,
+            angle=0.0,
+            translate=[0, 0],
+            scale=1.0,
+            shear=shear,
+            interpolation=nearest,
+            fill=None,
+            center=[0, 0],
+        )
     if name in ("TranslateX", "TranslateY"):
         translate = [int(magnitude), 0] if name == "TranslateX" else [0, int(magnitude)]
-        return F.affine(image, angle=0.0, translate=translate, scale=1.0, shear=[0.0, 0.0],
-                        interpolation=nearest, fill=None)
+        return F.affine(
+            image,
+            angle=0.0,
+            translate=translate,
+            scale=1.0,
+            shear=[0.0, 0.0],
+            interpolation=nearest,
+            fill=None,
+        )
     if name == "Rotate":
         return F.rotate(image, angle=magnitude, interpolation=nearest, fill=None)
     if name == "Brightness":

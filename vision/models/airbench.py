@@ -79,12 +79,12 @@ class AirbenchNet(nn.Module):
     """
 
     def __init__(
-            self,
-            num_classes: int = 10,
-            widths: tuple[int, int, int] | list[int] = (64, 256, 256),
-            in_channels: int = 3,
-            logit_scale: float = 1 / 9,
-            bn_eps: float = 1e-12,
+        self,
+        num_classes: int = 10,
+        widths: tuple[int, int, int] | list[int] = (64, 256, 256),
+        in_channels: int = 3,
+        logit_scale: float = 1 / 9,
+        bn_eps: float = 1e-12,
     ) -> None:
         super().__init__()
         if len(widths) != 3 or any(int(w) < 1 for w in widths):
@@ -119,7 +119,8 @@ class AirbenchNet(nn.Module):
 
 
 def whitening_weights(images: torch.Tensor, eps: float = 5e-4, rel_tol: float = 1e-6) -> torch.Tensor:
-    """2x2 whitening filters: eigenvectors of the patch covariance over sqrt(eigenvalue + eps), then negated copies.
+    """2x2 whitening filters: eigenvectors of the patch covariance over sqrt(eigenvalue + eps), then negated
+    copies.
 
     Returns a (2 * C * 4, C, 2, 2) weight, largest-variance directions first. Directions in which the data
     does not vary (eigenvalue <= ``rel_tol`` x the largest; e.g. grey images stored in 3 identical channels)
@@ -128,7 +129,9 @@ def whitening_weights(images: torch.Tensor, eps: float = 5e-4, rel_tol: float = 
     informative ones, in order. On CIFAR-10 every direction is informative and nothing is replaced.
     """
     if images.dim() != 4 or images.shape[-1] < 2 or images.shape[-2] < 2:
-        raise ValueError(f"whitening needs a batch of images (N, C, H>=2, W>=2), got shape {tuple(images.shape)}")
+        raise ValueError(
+            f"whitening needs a batch of images (N, C, H>=2, W>=2), got shape {tuple(images.shape)}"
+        )
     c = images.shape[1]
     patches = images.float().unfold(2, 2, 1).unfold(3, 2, 1)  # N, C, H-1, W-1, 2, 2
     patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * 4)

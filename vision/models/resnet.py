@@ -126,18 +126,19 @@ class ResNet(nn.Module):
         width: channels of the first stage (64 in the paper); stages double it. Small values make test models.
         stem: ``"imagenet"`` (7x7 stride-2 conv + 3x3 max pool, for 224 px) or ``"cifar"``
             (3x3 stride-1 conv, no pool, for 32 px). Both keep the same parameter names.
-        zero_init_residual: start every residual branch's last BN at 0 (Goyal et al.), so blocks start as identities.
+        zero_init_residual: start every residual branch's last BN at 0 (Goyal et al.), so blocks start as
+            identities.
     """
 
     def __init__(
-            self,
-            block: type[BasicBlock] | type[Bottleneck],
-            layers: Sequence[int],
-            num_classes: int = 1000,
-            in_channels: int = 3,
-            width: int = 64,
-            stem: Literal["imagenet", "cifar"] = "imagenet",
-            zero_init_residual: bool = False,
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: Sequence[int],
+        num_classes: int = 1000,
+        in_channels: int = 3,
+        width: int = 64,
+        stem: Literal["imagenet", "cifar"] = "imagenet",
+        zero_init_residual: bool = False,
     ) -> None:
         super().__init__()
         if len(layers) != 4 or any(n < 1 for n in layers):

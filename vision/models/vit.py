@@ -66,16 +66,16 @@ class VisionTransformer(nn.Module):
     """
 
     def __init__(
-            self,
-            num_classes: int = 1000,
-            image_size: int = 224,
-            patch_size: int = 16,
-            dim: int = 192,
-            depth: int = 12,
-            num_heads: int = 3,
-            mlp_ratio: float = 4.0,
-            in_channels: int = 3,
-            dropout: float = 0.0,
+        self,
+        num_classes: int = 1000,
+        image_size: int = 224,
+        patch_size: int = 16,
+        dim: int = 192,
+        depth: int = 12,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        in_channels: int = 3,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if image_size % patch_size:
@@ -95,7 +95,9 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-            raise ValueError(f"VisionTransformer built for {self.image_size} px input, got {tuple(x.shape[-2:])}")
+            raise ValueError(
+                f"VisionTransformer built for {self.image_size} px input, got {tuple(x.shape[-2:])}"
+            )
         x = self.patch_embed(x).flatten(2).transpose(1, 2)
         x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_embed
         return self.norm(self.blocks(x))[:, 0]
@@ -107,19 +109,23 @@ class VisionTransformer(nn.Module):
 @register_model
 def vit_tiny_patch4_32(num_classes: int = 10, **kwargs: Any) -> VisionTransformer:
     """Tiny ViT for 32 px images: 64 patches of 4x4, dim 192, depth 6, 3 heads."""
-    return VisionTransformer(num_classes, **{"image_size": 32, "patch_size": 4, "dim": 192, "depth": 6,
-                                             "num_heads": 3, **kwargs})
+    return VisionTransformer(
+        num_classes, **{"image_size": 32, "patch_size": 4, "dim": 192, "depth": 6, "num_heads": 3, **kwargs}
+    )
 
 
 @register_model
 def vit_small_patch4_32(num_classes: int = 10, **kwargs: Any) -> VisionTransformer:
     """Small ViT for 32 px images: dim 384, depth 7, 6 heads."""
-    return VisionTransformer(num_classes, **{"image_size": 32, "patch_size": 4, "dim": 384, "depth": 7,
-                                             "num_heads": 6, **kwargs})
+    return VisionTransformer(
+        num_classes, **{"image_size": 32, "patch_size": 4, "dim": 384, "depth": 7, "num_heads": 6, **kwargs}
+    )
 
 
 @register_model
 def vit_tiny_patch16_224(num_classes: int = 1000, **kwargs: Any) -> VisionTransformer:
     """ViT-Ti/16 at 224 px (dim 192, depth 12, 3 heads)."""
-    return VisionTransformer(num_classes, **{"image_size": 224, "patch_size": 16, "dim": 192, "depth": 12,
-                                             "num_heads": 3, **kwargs})
+    return VisionTransformer(
+        num_classes,
+        **{"image_size": 224, "patch_size": 16, "dim": 192, "depth": 12, "num_heads": 3, **kwargs},
+    )

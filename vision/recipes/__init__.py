@@ -6,20 +6,46 @@
 
 from vision.data.geometry import AlternatingFlipCrop
 from vision.data.trivial_augment import TrivialAugmentWide
+from vision.recipes import library  # noqa: F401  (registers the built-in recipes)
 from vision.recipes._build import (
-    build, build_datamodule, build_module, build_trainer, data_kwargs, default_callbacks, module_kwargs,
-    recipe_defaults, trainer_kwargs,
+    build,
+    build_datamodule,
+    build_module,
+    build_trainer,
+    data_kwargs,
+    default_callbacks,
+    module_kwargs,
+    recipe_defaults,
+    trainer_kwargs,
 )
 from vision.recipes._data import DATAMODULES, CIFAR10Data, DigitsData, ImageFolderData
 from vision.recipes._pipeline import build_train_pipeline
 from vision.recipes._recipe import DATASETS, AugmentConfig, OptimConfig, Recipe
 from vision.recipes._registry import UnknownRecipeError, get_recipe, list_recipes, register_recipe
-from vision.recipes import library  # noqa: F401,E402  (registers the built-in recipes)
 
 __all__ = [
-    "AlternatingFlipCrop", "AugmentConfig", "CIFAR10Data", "DATAMODULES", "DATASETS", "DigitsData",
-    "ImageFolderData", "OptimConfig", "Recipe", "TrivialAugmentWide", "UnknownRecipeError", "build",
-    "build_datamodule", "build_module", "build_train_pipeline", "build_trainer", "data_kwargs",
-    "default_callbacks", "get_recipe", "list_recipes", "module_kwargs", "recipe_defaults", "register_recipe",
+    "AlternatingFlipCrop",
+    "AugmentConfig",
+    "CIFAR10Data",
+    "DATAMODULES",
+    "DATASETS",
+    "DigitsData",
+    "ImageFolderData",
+    "OptimConfig",
+    "Recipe",
+    "TrivialAugmentWide",
+    "UnknownRecipeError",
+    "build",
+    "build_datamodule",
+    "build_module",
+    "build_train_pipeline",
+    "build_trainer",
+    "data_kwargs",
+    "default_callbacks",
+    "get_recipe",
+    "list_recipes",
+    "module_kwargs",
+    "recipe_defaults",
+    "register_recipe",
     "trainer_kwargs",
 ]

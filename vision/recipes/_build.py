@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from vision.recipes._data import DATAMODULES
+from vision.recipes._data import DATAMODULES, RecipeData
 from vision.recipes._recipe import Recipe
 from vision.recipes._registry import get_recipe
 
@@ -87,8 +87,9 @@ def recipe_defaults(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, 
     }
 
 
-def build_datamodule(recipe: Recipe | str, **overrides: Any) -> pl.LightningDataModule:
-    """The recipe's DataModule; ``overrides`` (e.g. ``root=``, ``batch_size=``) win, ``None`` values are ignored."""
+def build_datamodule(recipe: Recipe | str, **overrides: Any) -> RecipeData:
+    """The recipe's DataModule; ``overrides`` (e.g. ``root=``, ``batch_size=``) win, ``None`` values are
+    ignored."""
     recipe = _resolve(recipe)
     kwargs = {**data_kwargs(recipe), **{k: v for k, v in overrides.items() if v is not None}}
     return DATAMODULES[recipe.dataset](**kwargs)

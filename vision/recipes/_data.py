@@ -114,8 +114,14 @@ class CIFAR10Data(RecipeData, CIFAR10DataModule):
         limit_per_class: int | None = None,
     ) -> None:
         super().__init__(
-            root=root, zip_path=zip_path, download=download, batch_size=batch_size, seed=seed,
-            drop_last=drop_last, num_workers=num_workers, limit_per_class=limit_per_class,
+            root=root,
+            zip_path=zip_path,
+            download=download,
+            batch_size=batch_size,
+            seed=seed,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            limit_per_class=limit_per_class,
         )
         self.augment = augment
         self.save_hyperparameters()
@@ -149,15 +155,30 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
         storage: Literal["uint8", "encoded"] = "uint8",
     ) -> None:
         if root is None:
-            raise ValueError("ImageFolderData: give root='<dir or .zip>' with train/<class>/* and val/<class>/*")
-        super().__init__(
-            root=root, image_size=image_size, batch_size=batch_size, seed=seed, drop_last=drop_last,
-            num_workers=num_workers, storage_size=storage_size, on_corrupt=on_corrupt,
-            limit_per_class=limit_per_class, val_split=val_split, storage=storage,
-        )
-        if eval_image_size is not None and storage == "uint8" and not 0 < eval_image_size <= self.storage_size:
             raise ValueError(
-                f"ImageFolderData: eval_image_size={eval_image_size} must be in [1, storage_size={self.storage_size}]"
+                "ImageFolderData: give root='<dir or .zip>' with train/<class>/* and val/<class>/*"
+            )
+        super().__init__(
+            root=root,
+            image_size=image_size,
+            batch_size=batch_size,
+            seed=seed,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            storage_size=storage_size,
+            on_corrupt=on_corrupt,
+            limit_per_class=limit_per_class,
+            val_split=val_split,
+            storage=storage,
+        )
+        if (
+            eval_image_size is not None
+            and storage == "uint8"
+            and not 0 < eval_image_size <= self.storage_size
+        ):
+            raise ValueError(
+                f"ImageFolderData: eval_image_size={eval_image_size} must be in [1, "
+                f"storage_size={self.storage_size}]"
             )
         self.augment = augment
         self.eval_image_size = eval_image_size
@@ -175,4 +196,8 @@ class ImageFolderData(RecipeData, ImageFolderDataModule):
 
 
 #: recipe ``dataset`` -> DataModule class.
-DATAMODULES: dict[str, type[Any]] = {"digits": DigitsData, "cifar10": CIFAR10Data, "imagefolder": ImageFolderData}
+DATAMODULES: dict[str, type[RecipeData]] = {
+    "digits": DigitsData,
+    "cifar10": CIFAR10Data,
+    "imagefolder": ImageFolderData,
+}

@@ -55,8 +55,9 @@ def build_train_pipeline(
             ops.append(HorizontalFlip(0.5))
     elif augment.flip == "alternating":
         ops.append(
-            AlternatingFlipCrop(None, padding=augment.crop_padding, padding_mode=augment.padding_mode,
-                                epoch=epoch, seed=seed)
+            AlternatingFlipCrop(
+                None, padding=augment.crop_padding, padding_mode=augment.padding_mode, epoch=epoch, seed=seed
+            )
         )
     else:
         if augment.crop_padding:
@@ -75,7 +76,11 @@ def build_train_pipeline(
     if augment.random_erase:
         ops.append(Erasing(p=augment.random_erase, fill=0.0))
     if augment.mixup_alpha or augment.cutmix_alpha:
-        # Label smoothing stays in the loss (ClassificationModule), so the targets here are plain one-hot mixes.
-        ops.append(MixupCutmix(num_classes, mixup_alpha=augment.mixup_alpha, cutmix_alpha=augment.cutmix_alpha,
-                               mode="batch"))
+        # Label smoothing stays in the loss (ClassificationModule), so the targets here are plain one-hot
+        # mixes.
+        ops.append(
+            MixupCutmix(
+                num_classes, mixup_alpha=augment.mixup_alpha, cutmix_alpha=augment.cutmix_alpha, mode="batch"
+            )
+        )
     return Pipeline(ops, dtype=dtype)

@@ -50,15 +50,21 @@ class AugmentConfig:
 
     def validate(self) -> None:
         if self.crop_padding < 0 or self.cutout < 0:
-            raise ValueError(f"augment: crop_padding and cutout must be >= 0, got {self.crop_padding}, {self.cutout}")
+            raise ValueError(
+                f"augment: crop_padding and cutout must be >= 0, got {self.crop_padding}, {self.cutout}"
+            )
         if self.padding_mode not in ("reflect", "constant"):
-            raise ValueError(f"augment.padding_mode must be 'reflect' or 'constant', got {self.padding_mode!r}")
+            raise ValueError(
+                f"augment.padding_mode must be 'reflect' or 'constant', got {self.padding_mode!r}"
+            )
         if self.flip not in ("none", "random", "alternating"):
             raise ValueError(f"augment.flip must be 'none', 'random' or 'alternating', got {self.flip!r}")
         if self.rrc_scale is not None:
             low, high = self.rrc_scale
             if not 0.0 < low <= high <= 1.0:
-                raise ValueError(f"augment.rrc_scale must satisfy 0 < low <= high <= 1, got {self.rrc_scale!r}")
+                raise ValueError(
+                    f"augment.rrc_scale must satisfy 0 < low <= high <= 1, got {self.rrc_scale!r}"
+                )
         for name in ("color_jitter", "random_erase", "mixup_alpha", "cutmix_alpha"):
             if getattr(self, name) < 0:
                 raise ValueError(f"augment.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -68,7 +74,8 @@ class AugmentConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and per-step learning-rate schedule (the fields of ``ClassificationModule`` of the same names)."""
+    """Optimizer and per-step learning-rate schedule (the fields of ``ClassificationModule`` of the same
+    names)."""
 
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = 0.1
@@ -135,7 +142,9 @@ class Recipe:
     def validate(self) -> Recipe:
         """Raise a ``ValueError`` naming the first inconsistent field; return ``self`` when all is well."""
         if self.dataset not in DATASETS:
-            raise ValueError(f"recipe {self.name!r}: dataset must be one of {list(DATASETS)}, got {self.dataset!r}")
+            raise ValueError(
+                f"recipe {self.name!r}: dataset must be one of {list(DATASETS)}, got {self.dataset!r}"
+            )
         if self.epochs < 1:
             raise ValueError(f"recipe {self.name!r}: epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1:
@@ -143,7 +152,9 @@ class Recipe:
         if self.tta not in TTA_MODES:
             raise ValueError(f"recipe {self.name!r}: tta must be one of {list(TTA_MODES)}, got {self.tta!r}")
         if self.ema_decay is not None and self.lookahead:
-            raise ValueError(f"recipe {self.name!r}: ema_decay and lookahead both set; choose one weight average")
+            raise ValueError(
+                f"recipe {self.name!r}: ema_decay and lookahead both set; choose one weight average"
+            )
         if self.whitening_images and not self.model.startswith("airbench"):
             raise ValueError(
                 f"recipe {self.name!r}: whitening_images needs a model with a whitening layer (airbench*), "
@@ -153,7 +164,8 @@ class Recipe:
         if set(self.compile) - _compile_fields():
             unknown = sorted(set(self.compile) - _compile_fields())
             raise ValueError(
-                f"recipe {self.name!r}: unknown compile settings {unknown}; known: {sorted(_compile_fields())}"
+                f"recipe {self.name!r}: unknown compile settings {unknown}; known: "
+                f"{sorted(_compile_fields())}"
             )
         return self
 

@@ -31,7 +31,9 @@ def register_recipe(recipe: Recipe | Callable[[], Recipe]) -> Any:
     """
     built = recipe() if callable(recipe) and not isinstance(recipe, Recipe) else recipe
     if not isinstance(built, Recipe):
-        raise TypeError(f"register_recipe needs a Recipe (or a function returning one), got {type(built).__name__}")
+        raise TypeError(
+            f"register_recipe needs a Recipe (or a function returning one), got {type(built).__name__}"
+        )
     if built.name in _recipes:
         raise ValueError(f"recipe {built.name!r} is already registered")
     _recipes[built.name] = built.validate()

@@ -32,6 +32,7 @@ def _small_airbench_optim() -> OptimConfig:
         final_lr_factor=0.05,
     )
 
+
 register_recipe(
     Recipe(
         name="cifar10-airbench",
@@ -68,7 +69,9 @@ register_recipe(
 register_recipe(
     Recipe(
         name="cifar10-resnet18",
-        description="ResNet-18 (CIFAR stem), Nesterov SGD, triangular schedule, cutout, label smoothing, flip TTA",
+        description=(
+            "ResNet-18 (CIFAR stem), Nesterov SGD, triangular schedule, cutout, label smoothing, flip TTA"
+        ),
         model="cifar_resnet18",
         dataset="cifar10",
         augment=AugmentConfig(crop_padding=4, padding_mode="reflect", flip="random", cutout=8),
@@ -90,17 +93,22 @@ register_recipe(
         label_smoothing=0.1,
         tta="flip",
         compile={"channels_last": True},
-        reference="FFCV CIFAR-10 example (triangular lr, label smoothing 0.1, flip TTA), widths of He et al. 2015",
+        reference=(
+            "FFCV CIFAR-10 example (triangular lr, label smoothing 0.1, flip TTA), widths of He et al. 2015"
+        ),
     )
 )
 
 register_recipe(
     Recipe(
         name="imagefolder-resnet50",
-        description="torchvision's ResNet-50 reference recipe knobs (IMAGENET1K_V2, 80.858%) on any ImageFolder",
+        description=(
+            "torchvision's ResNet-50 reference recipe knobs (IMAGENET1K_V2, 80.858%) on any ImageFolder"
+        ),
         model="resnet50",
         dataset="imagefolder",
-        # FixRes: train crops of 176, evaluate the centre 224 of images stored at 232 (torchvision's val resize)
+        # FixRes: train crops of 176, evaluate the centre 224 of images stored at 232 (torchvision's val
+        # resize)
         data_kwargs={"image_size": 176, "storage_size": 232, "eval_image_size": 224},
         augment=AugmentConfig(
             rrc_scale=(0.08, 1.0),
@@ -126,8 +134,8 @@ register_recipe(
         batch_size=128,
         precision="bf16-mixed",
         label_smoothing=0.1,
-        # torchvision: decay 0.99998 every 32 steps, its alpha scaled by (devices x batch x 32 / epochs); for one
-        # device of 128 that is 1 - 2e-5 * 128 * 32 / 600 = 0.999863 (8 devices: 0.99891)
+        # torchvision: decay 0.99998 every 32 steps, its alpha scaled by (devices x batch x 32 / epochs); for
+        # one device of 128 that is 1 - 2e-5 * 128 * 32 / 600 = 0.999863 (8 devices: 0.99891)
         ema_decay=1 - 2e-5 * 128 * 32 / 600,
         ema_every_n_steps=32,
         compile={"channels_last": True},
@@ -138,12 +146,14 @@ register_recipe(
 register_recipe(
     Recipe(
         name="digits-small",
-        description="small airbench-style net on the bundled sklearn digits (offline): >= 97% test in ~1 min on CPU",
+        description=(
+            "small airbench-style net on the bundled sklearn digits (offline): >= 97% test in ~1 min on CPU"
+        ),
         model="airbench94",
         model_kwargs={"widths": [32, 64, 64]},
         dataset="digits",
-        # Full batches only: the last, smaller one (41 images, shuffled anew each epoch) would cost the compiled
-        # strategy a second compile of the training graph, longer than all of this recipe's training.
+        # Full batches only: the last, smaller one (41 images, shuffled anew each epoch) would cost the
+        # compiled strategy a second compile of the training graph, longer than all of this recipe's training.
         data_kwargs={"drop_last": True},
         augment=AugmentConfig(crop_padding=2, padding_mode="constant", flip="none"),
         optim=_small_airbench_optim(),
@@ -162,11 +172,18 @@ register_recipe(
 register_recipe(
     Recipe(
         name="cifar10-vit",
-        description="tiny ViT (patch 4, SDPA attention) on CIFAR-10 with AdamW, strong augmentation and mixup/cutmix",
+        description=(
+            "tiny ViT (patch 4, SDPA attention) on CIFAR-10 with AdamW, strong augmentation and mixup/cutmix"
+        ),
         model="vit_tiny_patch4_32",
         dataset="cifar10",
         augment=AugmentConfig(
-            crop_padding=4, flip="random", trivial_augment=True, mixup_alpha=0.8, cutmix_alpha=1.0, random_erase=0.25
+            crop_padding=4,
+            flip="random",
+            trivial_augment=True,
+            mixup_alpha=0.8,
+            cutmix_alpha=1.0,
+            random_erase=0.25,
         ),
         optim=OptimConfig(
             optimizer="adamw",
@@ -186,7 +203,9 @@ register_recipe(
         ema_decay=0.999,
         tta="flip",
         compile={"channels_last": False},
-        reference="DeiT training knobs (AdamW 1e-3 per 512, wd 0.05, mixup 0.8 / cutmix 1.0), scaled to 32 px",
+        reference=(
+            "DeiT training knobs (AdamW 1e-3 per 512, wd 0.05, mixup 0.8 / cutmix 1.0), scaled to 32 px"
+        ),
     )
 )
 
@@ -209,6 +228,8 @@ register_recipe(
         ema_every_n_steps=1,
         whitening_images=256,
         compile={"channels_last": True},
-        reference="this project (digits-small's settings at 64 px; measured on CIFAR-10 JPEG subsets, see README)",
+        reference=(
+            "this project (digits-small's settings at 64 px; measured on CIFAR-10 JPEG subsets, see README)"
+        ),
     )
 )

@@ -26,9 +26,29 @@ BLOCK_W = 64
 
 
 @triton.jit
-def _resample_kernel(src, out, y0, y1, wy, x0, x1, wx,
-                     s_n, s_c, s_h, s_w, o_n, o_c, o_h, o_w, out_h, out_w,
-                     C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
+def _resample_kernel(
+    src,
+    out,
+    y0,
+    y1,
+    wy,
+    x0,
+    x1,
+    wx,
+    s_n,
+    s_c,
+    s_h,
+    s_w,
+    o_n,
+    o_c,
+    o_h,
+    o_w,
+    out_h,
+    out_w,
+    C: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -59,8 +79,9 @@ def _resample_kernel(src, out, y0, y1, wy, x0, x1, wx,
         tl.store(dest + c * o_c, upper + (lower - upper) * fy, mask=ok)
 
 
-def resample_triton(images: Tensor, y0: Tensor, y1: Tensor, wy: Tensor, x0: Tensor, x1: Tensor, wx: Tensor
-                    ) -> Tensor:
+def resample_triton(
+    images: Tensor, y0: Tensor, y1: Tensor, wy: Tensor, x0: Tensor, x1: Tensor, wx: Tensor
+) -> Tensor:
     """Launch :func:`_resample_kernel`: uint8 (or float) ``(N, C, H, W)`` -> float32 ``(N, C, h, w)``."""
     n, c = int(images.shape[0]), int(images.shape[1])
     out_h, out_w = int(y0.shape[1]), int(x0.shape[1])
@@ -68,14 +89,30 @@ def resample_triton(images: Tensor, y0: Tensor, y1: Tensor, wy: Tensor, x0: Tens
     y0, y1, wy, x0, x1, wx = (t.contiguous() for t in (y0, y1, wy.float(), x0, x1, wx.float()))
     grid = (n, cdiv(out_h, BLOCK_H), cdiv(out_w, BLOCK_W))
     with launch_context(images):
-        _resample_kernel[grid](images, out, y0, y1, wy, x0, x1, wx, *images.stride(), *out.stride(), out_h, out_w,
-                               C=c, BLOCK_H=BLOCK_H, BLOCK_W=BLOCK_W)
+        _resample_kernel[grid](
+            images,
+            out,
+            y0,
+            y1,
+            wy,
+            x0,
+            x1,
+            wx,
+            *images.stride(),
+            *out.stride(),
+            out_h,
+            out_w,
+            C=c,
+            BLOCK_H=BLOCK_H,
+            BLOCK_W=BLOCK_W,
+        )
     return out
 
 
 @torch.library.custom_op("lcv_data::resample_bilinear", mutates_args=())
-def resample_bilinear(images: Tensor, y0: Tensor, y1: Tensor, wy: Tensor, x0: Tensor, x1: Tensor, wx: Tensor
-                      ) -> Tensor:
+def resample_bilinear(
+    images: Tensor, y0: Tensor, y1: Tensor, wy: Tensor, x0: Tensor, x1: Tensor, wx: Tensor
+) -> Tensor:
     """The bilinear resample of :func:`~vision.data.functional.geometry.resample`, on CUDA by the kernel."""
     return resample_triton(images, y0, y1, wy, x0, x1, wx)
 

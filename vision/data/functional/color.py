@@ -1,4 +1,5 @@
-"""Batched colour as tensor functions: grayscale, brightness/contrast/saturation/hue, colour jitter, normalize.
+"""Batched colour as tensor functions: grayscale, brightness/contrast/saturation/hue, colour jitter,
+normalize.
 
 Pixel arithmetic runs in float32 on the 0..255 scale and saturates to [0, 255] after every step, which is
 what albumentations does on uint8 images (it never wraps around); the only difference is that we do not
@@ -61,7 +62,8 @@ def rgb_to_hsv(rgb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hsv_to_rgb(hue: Tensor, sat: Tensor, val: Tensor) -> Tensor:
-    """Inverse of :func:`rgb_to_hsv`, via ``c_n = v - v s clamp(min(k, 4 - k), 0, 1)``, ``k = (n + 6h) mod 6``."""
+    """Inverse of :func:`rgb_to_hsv`, via ``c_n = v - v s clamp(min(k, 4 - k), 0, 1)``, ``k = (n + 6h) mod
+    6``."""
     n = torch.tensor((5.0, 3.0, 1.0), dtype=hue.dtype, device=hue.device).view(1, 3, 1, 1)
     k = (n + 6.0 * hue.unsqueeze(1)).remainder(6.0)
     ramp = torch.minimum(k, 4.0 - k).clamp(0.0, 1.0)
@@ -96,7 +98,8 @@ def adjust_hue(images: Tensor, shift: Tensor) -> Tensor:
     if images.shape[1] == 1:
         return images
     x = as_float(images)
-    planes = hue_planes(*x.unbind(1), shift.to(x.dtype).view(-1, 1, 1))
+    r, g, b = x.unbind(1)
+    planes = hue_planes(r, g, b, shift.to(x.dtype).view(-1, 1, 1))
     return torch.stack(planes, dim=1)
 
 
@@ -106,7 +109,9 @@ def _blend(images: Tensor, factor: Tensor, other: Tensor) -> Tensor:
 
 def adjust_brightness(images: Tensor, factor: Tensor) -> Tensor:
     """``clip(x * f)``, per-sample ``factor`` (N,)."""
-    return _blend(as_float(images), factor.to(torch.float32).view(-1, 1, 1, 1), torch.zeros((), device=images.device))
+    return _blend(
+        as_float(images), factor.to(torch.float32).view(-1, 1, 1, 1), torch.zeros((), device=images.device)
+    )
 
 
 def adjust_contrast(images: Tensor, factor: Tensor) -> Tensor:
@@ -124,8 +129,14 @@ def adjust_saturation(images: Tensor, factor: Tensor) -> Tensor:
     return _blend(x, factor.to(torch.float32).view(-1, 1, 1, 1), rgb_to_gray(x))
 
 
-def jitter_tables(brightness: Tensor, contrast: Tensor, saturation: Tensor, hue: Tensor, order: Tensor,
-                  apply_hue: Tensor | None = None) -> dict[str, Tensor]:
+def jitter_tables(
+    brightness: Tensor,
+    contrast: Tensor,
+    saturation: Tensor,
+    hue: Tensor,
+    order: Tensor,
+    apply_hue: Tensor | None = None,
+) -> dict[str, Tensor]:
     """Per-sample coefficients of the fixed step sequence blend x3, hue, blend x3 (CPU, before the kernel).
 
     ``order`` (N, 4) is a permutation of (0 brightness, 1 contrast, 2 saturation, 3 hue) per row.  A sample's
@@ -141,8 +152,11 @@ def jitter_tables(brightness: Tensor, contrast: Tensor, saturation: Tensor, hue:
     order = order.long()
     hue_at = (order == 3).long().argmax(dim=1)  # (N,)
     slots = torch.arange(2 * BLEND_STEPS).view(1, -1)  # (1, 6)
-    # Slot j < 3 holds order step j - 3 + hue_at (steps before the hue); slot j >= 3 holds step j - 2 + hue_at.
-    step = torch.where(slots < BLEND_STEPS, slots - BLEND_STEPS + hue_at.view(n, 1), slots - 2 + hue_at.view(n, 1))
+    # Slot j < 3 holds order step j - 3 + hue_at (steps before the hue); slot j >= 3 holds step j - 2 +
+    # hue_at.
+    step = torch.where(
+        slots < BLEND_STEPS, slots - BLEND_STEPS + hue_at.view(n, 1), slots - 2 + hue_at.view(n, 1)
+    )
     used = (step >= 0) & (step <= 3) & ((slots >= BLEND_STEPS) | (step < hue_at.view(n, 1)))
     kind = torch.where(used, order.gather(1, step.clamp(0, 3)), 3)  # 3: identity here
     factors = torch.stack((brightness, contrast, saturation, torch.ones_like(brightness)), dim=1).float()
@@ -150,12 +164,19 @@ def jitter_tables(brightness: Tensor, contrast: Tensor, saturation: Tensor, hue:
     keep = 1.0 - f
     is_contrast = (kind == 1).float()
     hue_on = torch.ones(n, dtype=torch.bool) if apply_hue is None else apply_hue.bool()
-    return {"f": f, "s": keep * (kind == 2).float(), "m": keep * is_contrast, "contrast_slot": is_contrast,
-            "hue": hue.float(), "hue_on": hue_on & (hue != 0)}
+    return {
+        "f": f,
+        "s": keep * (kind == 2).float(),
+        "m": keep * is_contrast,
+        "contrast_slot": is_contrast,
+        "hue": hue.float(),
+        "hue_on": hue_on & (hue != 0),
+    }
 
 
-def _run_steps(planes: list[Tensor], t: dict[str, Tensor], mean: Tensor | None, with_hue: bool
-               ) -> tuple[list[Tensor], Tensor]:
+def _run_steps(
+    planes: list[Tensor], t: dict[str, Tensor], mean: Tensor | None, with_hue: bool
+) -> tuple[list[Tensor], Tensor]:
     """The step sequence of :func:`jitter_tables` on channel planes.
 
     With ``mean`` None (the first pass) the contrast bias is left out and the gray level of the image as the
@@ -166,7 +187,8 @@ def _run_steps(planes: list[Tensor], t: dict[str, Tensor], mean: Tensor | None, 
     seen = torch.zeros((), device=planes[0].device)  # per pixel: the gray level at the contrast slot
     for j in range(2 * BLEND_STEPS):
         if j == BLEND_STEPS and len(planes) == 3 and with_hue:
-            shifted = hue_planes(*planes, t["hue"].view(n, 1, 1))
+            r, g, b = planes
+            shifted = hue_planes(r, g, b, t["hue"].view(n, 1, 1))
             on = t["hue_on"].view(n, 1, 1)
             planes = [torch.where(on, new, old) for new, old in zip(shifted, planes)]
         gray = gray_plane(*planes) if len(planes) == 3 else planes[0]
@@ -243,7 +265,12 @@ def _blend_step(x: Tensor, op: Tensor, factors: Tensor) -> Tensor:
 
 
 def color_jitter(
-    images: Tensor, brightness: Tensor, contrast: Tensor, saturation: Tensor, hue: Tensor, order: Tensor,
+    images: Tensor,
+    brightness: Tensor,
+    contrast: Tensor,
+    saturation: Tensor,
+    hue: Tensor,
+    order: Tensor,
     apply_hue: bool = True,
 ) -> Tensor:
     """Brightness/contrast/saturation/hue with per-sample factors, each sample in its own ``order`` (eager).
@@ -266,8 +293,9 @@ def color_jitter(
     return x
 
 
-def normalize_factors(mean: Sequence[float], std: Sequence[float], max_pixel_value: float, channels: int,
-                      device: torch.device) -> tuple[Tensor, Tensor]:
+def normalize_factors(
+    mean: Sequence[float], std: Sequence[float], max_pixel_value: float, channels: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """``scale`` and ``bias`` (C,) with ``x * scale + bias == (x / max_pixel_value - mean) / std``."""
     scale = 1.0 / (torch.tensor(std, dtype=torch.float32) * max_pixel_value)
     bias = -torch.tensor(mean, dtype=torch.float32) * max_pixel_value * scale

@@ -13,7 +13,8 @@ from torch import Tensor
 
 
 def fill_is_uint8(fill: float | Sequence[float]) -> bool:
-    """Whether ``fill`` (scalar or per channel) is whole numbers in 0..255: uint8 images can then stay uint8."""
+    """Whether ``fill`` (scalar or per channel) is whole numbers in 0..255: uint8 images can then stay
+    uint8."""
     values = [fill] if isinstance(fill, (int, float)) else list(fill)
     return all(0 <= float(v) <= 255 and float(v) == round(float(v)) for v in values)
 

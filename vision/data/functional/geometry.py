@@ -43,8 +43,13 @@ def map_border(idx: np.ndarray, size: int, mode: str) -> tuple[np.ndarray, np.nd
 
 
 def crop_tables(
-    top: Tensor, left: Tensor, size: tuple[int, int], image_size: tuple[int, int],
-    padding: tuple[int, int, int, int] = (0, 0, 0, 0), padding_mode: str = "constant", flip: Tensor | None = None,
+    top: Tensor,
+    left: Tensor,
+    size: tuple[int, int],
+    image_size: tuple[int, int],
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0),
+    padding_mode: str = "constant",
+    flip: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Source rows ``(N, h)`` and columns ``(N, w)`` of a per-sample crop at (``top``, ``left``) of the image
     padded by ``padding`` = (left, top, right, bottom); ``flip`` (N,) bool mirrors the chosen crops.
@@ -63,8 +68,10 @@ def crop_tables(
     row_ok = None if row_in is None else row_in[rows]
     col_ok = None if col_in is None else col_in[cols]
     rows, cols = row_map[rows], col_map[cols]
-    tables = {"rows": torch.from_numpy(np.ascontiguousarray(rows)),
-              "cols": torch.from_numpy(np.ascontiguousarray(cols))}
+    tables = {
+        "rows": torch.from_numpy(np.ascontiguousarray(rows)),
+        "cols": torch.from_numpy(np.ascontiguousarray(cols)),
+    }
     if row_ok is not None and col_ok is not None:
         tables.update(row_ok=torch.from_numpy(row_ok), col_ok=torch.from_numpy(col_ok))
     return tables
@@ -78,15 +85,18 @@ def _index(images: Tensor, indices: list[Tensor]) -> Tensor:
     return images[tuple(indices)]
 
 
-def gather_crop(images: Tensor, tables: dict[str, Tensor], fill: float = 0.0, index: Tensor | None = None
-                ) -> Tensor:
+def gather_crop(
+    images: Tensor, tables: dict[str, Tensor], fill: float = 0.0, index: Tensor | None = None
+) -> Tensor:
     """The crops described by :func:`crop_tables`, in the input dtype, channels_last; ``index`` (N,) picks
     the batch out of a larger ``images`` store in the same gather."""
     rows, cols = tables["rows"], tables["cols"]
     n, ch, cw = rows.shape[0], rows.shape[1], cols.shape[1]
     batch = index.view(n, 1, 1) if index is not None else torch.arange(n, device=images.device).view(n, 1, 1)
     # Advanced indexing on (N, H, W, C) gives (N, h, w, C) directly: permuting back makes it channels_last.
-    out = _index(images.permute(0, 2, 3, 1), [batch, rows.view(n, ch, 1), cols.view(n, 1, cw)]).permute(0, 3, 1, 2)
+    out = _index(images.permute(0, 2, 3, 1), [batch, rows.view(n, ch, 1), cols.view(n, 1, cw)]).permute(
+        0, 3, 1, 2
+    )
     if "row_ok" in tables:
         ok = tables["row_ok"].view(n, 1, ch, 1) & tables["col_ok"].view(n, 1, 1, cw)
         out = torch.where(ok, out, torch.tensor(fill, dtype=out.dtype, device=out.device))
@@ -110,14 +120,22 @@ def crop_with_padding(
     ``flip`` (N,) bool optionally mirrors each crop horizontally; ``index`` (N,) optionally picks the batch
     out of a larger ``images`` store in the same gather.  The output keeps the input dtype.
     """
-    tables = crop_tables(top.cpu(), left.cpu(), size, (int(images.shape[-2]), int(images.shape[-1])), padding,
-                         padding_mode, None if flip is None else flip.cpu())
+    tables = crop_tables(
+        top.cpu(),
+        left.cpu(),
+        size,
+        (int(images.shape[-2]), int(images.shape[-1])),
+        padding,
+        padding_mode,
+        None if flip is None else flip.cpu(),
+    )
     tables = {k: v.to(images.device) for k, v in tables.items()}
     return gather_crop(images, tables, fill, None if index is None else index.to(images.device))
 
 
-def resample_axis(start: Tensor, length: Tensor, out_size: int, limit: int, flip: Tensor | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+def resample_axis(
+    start: Tensor, length: Tensor, out_size: int, limit: int, flip: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Bilinear taps along one axis: ``(i0, i1, weight of i1)``, each ``(N, out_size)``.
 
     Source coordinate ``(o + 0.5) * length / out_size - 0.5`` (OpenCV), clamped to the box
@@ -137,8 +155,15 @@ def resample_axis(start: Tensor, length: Tensor, out_size: int, limit: int, flip
     return i0, (i0 + 1).clamp(max=limit - 1), weight
 
 
-def resample_tables(top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int],
-                    canvas_size: tuple[int, int], flip: Tensor | None = None) -> dict[str, Tensor]:
+def resample_tables(
+    top: Tensor,
+    left: Tensor,
+    height: Tensor,
+    width: Tensor,
+    size: tuple[int, int],
+    canvas_size: tuple[int, int],
+    flip: Tensor | None = None,
+) -> dict[str, Tensor]:
     """The row and column taps of :func:`resample` for per-sample boxes (may be fractional)."""
     y0, y1, wy = resample_axis(top, height, size[0], canvas_size[0])
     x0, x1, wx = resample_axis(left, width, size[1], canvas_size[1], flip)
@@ -177,8 +202,15 @@ def gather_resample(images: Tensor, taps: dict[str, Tensor]) -> Tensor:
     return upper + (lower - upper) * wy
 
 
-def resize_boxes(images: Tensor, top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int],
-                 flip: Tensor | None = None) -> Tensor:
+def resize_boxes(
+    images: Tensor,
+    top: Tensor,
+    left: Tensor,
+    height: Tensor,
+    width: Tensor,
+    size: tuple[int, int],
+    flip: Tensor | None = None,
+) -> Tensor:
     """Bilinear resize of each integer box to ``size``, uint8 in and out: ``(N, C, h, w)`` contiguous.
 
     The CPU path of :func:`resample` for whole-pixel boxes (random resized crops, resizes): one call per image
@@ -191,20 +223,25 @@ def resize_boxes(images: Tensor, top: Tensor, left: Tensor, height: Tensor, widt
     the compiled colour ops after it vectorize over planes, and read interleaved pixels 3x slower.
     """
     if images.dtype != torch.uint8 or images.device.type != "cpu":
-        raise ValueError(f"resize_boxes: expects uint8 images on the CPU, got {images.dtype} on {images.device}")
+        raise ValueError(
+            f"resize_boxes: expects uint8 images on the CPU, got {images.dtype} on {images.device}"
+        )
     n, c = images.shape[0], images.shape[1]
     out = torch.empty((n, c, *size), dtype=torch.uint8)
-    src = images.contiguous(memory_format=torch.channels_last)  # a no-op for decoded batches (see RaggedBatch)
+    src = images.contiguous(
+        memory_format=torch.channels_last
+    )  # a no-op for decoded batches (see RaggedBatch)
     mirror = [False] * n if flip is None else flip.tolist()
     boxes = list(zip(top.tolist(), left.tolist(), height.tolist(), width.tolist()))
 
     def resize(rows: range) -> None:
         one = torch.empty((1, c, *size), dtype=torch.uint8, memory_format=torch.channels_last)
         for i in rows:
-            t, l, h, w = (int(v) for v in boxes[i])
-            box = src[i: i + 1, :, t: t + h, l: l + w]
-            torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)
-            out[i: i + 1].copy_(one.flip(-1) if mirror[i] else one)
+            y0, x0, h, w = (int(v) for v in boxes[i])
+            box = src[i : i + 1, :, y0 : y0 + h, x0 : x0 + w]
+            # torch's stub of this ATen op lacks its (..., scales_h, scales_w, out=) overload.
+            torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)  # type: ignore[call-arg]
+            out[i : i + 1].copy_(one.flip(-1) if mirror[i] else one)
 
     # Images split across single-threaded workers (see functional.pool): one small ATen call per image.
     threads = min(torch.get_num_threads(), n)
@@ -217,8 +254,13 @@ def resize_boxes(images: Tensor, top: Tensor, left: Tensor, height: Tensor, widt
 
 def whole_pixel_boxes(images: Tensor, params: dict[str, Tensor]) -> bool:
     """True when :func:`resize_boxes` applies: uint8 images on the CPU, integer boxes, not being compiled."""
-    return (images.dtype == torch.uint8 and images.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not params["top"].dtype.is_floating_point and not params["height"].dtype.is_floating_point)
+    return (
+        images.dtype == torch.uint8
+        and images.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not params["top"].dtype.is_floating_point
+        and not params["height"].dtype.is_floating_point
+    )
 
 
 def _grid_sample(images: Tensor, ys: Tensor, xs: Tensor) -> Tensor:
@@ -227,8 +269,9 @@ def _grid_sample(images: Tensor, ys: Tensor, xs: Tensor) -> Tensor:
     gy = ((2 * ys + 1) / height - 1).expand(n, ys.shape[1], xs.shape[2])
     gx = ((2 * xs + 1) / width - 1).expand(n, ys.shape[1], xs.shape[2])
     src = images if images.dtype in (torch.float32, torch.float64) else images.float()
-    return F.grid_sample(src, torch.stack((gx, gy), dim=-1), mode="bilinear", padding_mode="border",
-                         align_corners=False)
+    return F.grid_sample(
+        src, torch.stack((gx, gy), dim=-1), mode="bilinear", padding_mode="border", align_corners=False
+    )
 
 
 def random_resized_crop_params(
@@ -249,10 +292,13 @@ def random_resized_crop_params(
     H = heights.double().view(n, 1)
     W = widths.double().view(n, 1)
     area = H * W
-    target = area * (torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (scale[1] - scale[0])
-                     + scale[0])
+    target = area * (
+        torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (scale[1] - scale[0]) + scale[0]
+    )
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (log_hi - log_lo) + log_lo)
+    aspect = torch.exp(
+        torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (log_hi - log_lo) + log_lo
+    )
     w = torch.round(torch.sqrt(target * aspect))  # round half to even, as Python's round()
     h = torch.round(torch.sqrt(target / aspect))
     ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
@@ -294,9 +340,23 @@ def random_crop_params(
     return {"top": top, "left": left}
 
 
-def resized_crop(images: Tensor, top: Tensor, left: Tensor, height: Tensor, width: Tensor, size: tuple[int, int],
-                 flip: Tensor | None = None) -> Tensor:
+def resized_crop(
+    images: Tensor,
+    top: Tensor,
+    left: Tensor,
+    height: Tensor,
+    width: Tensor,
+    size: tuple[int, int],
+    flip: Tensor | None = None,
+) -> Tensor:
     """Bilinear resize of each per-sample box (may be fractional) to ``size``: float32 ``(N, C, h, w)``."""
-    taps = resample_tables(top.cpu(), left.cpu(), height.cpu(), width.cpu(), size,
-                           (int(images.shape[-2]), int(images.shape[-1])), None if flip is None else flip.cpu())
+    taps = resample_tables(
+        top.cpu(),
+        left.cpu(),
+        height.cpu(),
+        width.cpu(),
+        size,
+        (int(images.shape[-2]), int(images.shape[-1])),
+        None if flip is None else flip.cpu(),
+    )
     return resample(images, {k: v.to(images.device) for k, v in taps.items()})

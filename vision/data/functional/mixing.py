@@ -42,8 +42,12 @@ def mix_images(images: Tensor, lam: Tensor, cutmix: Tensor, boxes: Tensor) -> Te
     mixed = torch.lerp(partner, x, lam.to(x.dtype).view(n, 1, 1, 1))  # lam * x + (1 - lam) * partner
     ys = torch.arange(h, device=x.device).view(1, h, 1)
     xs = torch.arange(w, device=x.device).view(1, 1, w)
-    inside = ((ys >= boxes[:, 1].view(n, 1, 1)) & (ys < boxes[:, 3].view(n, 1, 1))
-              & (xs >= boxes[:, 0].view(n, 1, 1)) & (xs < boxes[:, 2].view(n, 1, 1))).unsqueeze(1)
+    inside = (
+        (ys >= boxes[:, 1].view(n, 1, 1))
+        & (ys < boxes[:, 3].view(n, 1, 1))
+        & (xs >= boxes[:, 0].view(n, 1, 1))
+        & (xs < boxes[:, 2].view(n, 1, 1))
+    ).unsqueeze(1)
     cut = torch.where(inside, partner, x)
     return torch.where(cutmix.view(n, 1, 1, 1), cut, mixed)
 

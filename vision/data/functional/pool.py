@@ -17,8 +17,14 @@ _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def cpu_pool(threads: int) -> ThreadPoolExecutor:
-    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per thread)."""
-    key = (os.getpid(), threads)  # a forked child (DataLoader worker) must not reuse the parent's dead threads
+    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per
+    thread)."""
+    key = (
+        os.getpid(),
+        threads,
+    )  # a forked child (DataLoader worker) must not reuse the parent's dead threads
     if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(threads, "vision-data", initializer=torch.set_num_threads, initargs=(1,))
+        _POOLS[key] = ThreadPoolExecutor(
+            threads, "vision-data", initializer=torch.set_num_threads, initargs=(1,)
+        )
     return _POOLS[key]
