@@ -20,6 +20,7 @@ pytest.importorskip(
     "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
 )
 
+from lcv_args import TINY_QUIET
 from vision.cli import LcvCLI, _recipe_name, main, run
 from vision.recipes import get_recipe, list_recipes
 
@@ -167,16 +168,7 @@ def test_recipe_found_in_config_and_checkpoint(tmp_path):
 
 def test_fit_test_predict_round_trip(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    tiny = [
-        "--model.model_kwargs",
-        '{"widths": [8, 8, 8]}',
-        "--model.whitening_images",
-        "64",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
-    ]
+    tiny = TINY_QUIET
     fit = run(
         [
             "fit",

@@ -12,19 +12,11 @@ pytest.importorskip(
     "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
 )
 
+from lcv_args import TINY_QUIET
 from vision.cli import run
 from vision.models import create_model
 
-TINY = [
-    "--model.model_kwargs",
-    '{"widths": [8, 8, 8]}',
-    "--model.whitening_images",
-    "64",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-]
+TINY = TINY_QUIET
 
 
 @pytest.fixture(autouse=True)
