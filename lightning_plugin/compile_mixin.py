@@ -19,6 +19,8 @@ from lightning_plugin.compile_decision import CompileDecider, CompileDecision
 from lightning_plugin.compile_stats import CompileStats
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import CompileConfig
+from lightning_plugin.cpu_memory import retain_freed_memory
+from lightning_plugin.fused_optimizer import fuse_optimizer_steps
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
@@ -97,6 +99,7 @@ class CompiledStrategyMixin(_StrategyBase):
         self._decider = CompileDecider(self._compiler, config.compile)
         self._cache_file: Path | None = None  # where this run writes its compile cache
         self._frames_at_cache_save = 0
+        self._cpu_memory_kept = False  # glibc told to keep freed memory (tune_cpu on a CPU)
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -132,6 +135,7 @@ class CompiledStrategyMixin(_StrategyBase):
         module = self.lightning_module
         if module is None:
             return
+        self._cpu_memory_kept = self._tunes_cpu() and retain_freed_memory()
         if self._compiler.config.compile == "never":
             self._begin_decision(module)
             return
@@ -154,6 +158,30 @@ class CompiledStrategyMixin(_StrategyBase):
                     "kernels='auto': these rewrites are candidates; the first forward measures each against "
                     f"Inductor alone and keeps only the correct ones at least {MIN_SPEEDUP}x faster"
                 )
+
+    def _tunes_cpu(self) -> bool:
+        return self._compiler.config.tune_cpu and self.root_device.type == "cpu"
+
+    @override
+    def on_train_start(self) -> None:
+        """On a CPU: the fused optimizer step (:mod:`lightning_plugin.fused_optimizer`) and one line on
+        the CPU tuning. Here: after a resume restored the optimizer's state (and its groups' settings)."""
+        super().on_train_start()
+        module = self.lightning_module
+        if module is None or not self._tunes_cpu():
+            return
+        fused = fuse_optimizer_steps(self.optimizers, module)
+        applied = []
+        if self._compiler.inductor_options.get("cpp_wrapper"):
+            applied.append("Inductor's C++ wrapper, no layout optimisation")
+        if fused:
+            applied.append(f"fused {'/'.join(fused)} step")
+        if self._cpu_memory_kept:
+            applied.append("glibc keeps freed memory")
+        if applied:
+            rank_zero_info(
+                f"{type(self).__name__}: CPU training settings: {', '.join(applied)} (tune_cpu=False: none)"
+            )
 
     def _begin_decision(self, module: Any) -> None:
         trainer = getattr(module, "_trainer", None)

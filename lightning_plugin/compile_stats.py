@@ -299,12 +299,14 @@ def make_backend(
     dynamic: bool | None,
     stats: CompileStats,
     device: torch.device | None = None,
+    tune_cpu: bool = True,
 ) -> CountingBackend:
     """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting.
 
-    Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`.
+    Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor` (unless
+    ``tune_cpu`` is False).
     """
-    options = cpu_inductor.training_options(backend, mode, options, device) or options
+    options = cpu_inductor.training_options(backend, mode, options, device, tune_cpu) or options
     if backend == "inductor":
         inner: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:

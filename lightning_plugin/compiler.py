@@ -81,6 +81,12 @@ class ModuleCompiler:
         return list(self._selection.decisions) if self._selection is not None else []
 
     @property
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor options of the compiled forward (the CPU tuning's too); empty before compiling."""
+        inner = getattr(self._backend, "inner", None)
+        return dict(getattr(inner, "config", None) or {})
+
+    @property
     def selection_pending(self) -> bool:
         return self._selection is not None and self._selection.pending
 
@@ -125,6 +131,7 @@ class ModuleCompiler:
             self.config.dynamic,
             self.stats,
             device,
+            self.config.tune_cpu,
         )
         targets = find_repeated_blocks(module) if self.config.regional else []
         if self.config.regional and not targets:

@@ -78,6 +78,12 @@ class CompileConfig:
             decision is cached per model and machine (see :mod:`lightning_plugin.compile_decision`).
             ``"always"`` compiles without measuring; ``"never"`` trains eagerly (checkpoints, DDP and the
             rest of the strategy unchanged).
+        tune_cpu: when training on a CPU, apply what was measured to pay there: Inductor without its
+            layout optimisation and with its C++ wrapper (:mod:`lightning_plugin.cpu_inductor`; only when
+            neither ``mode`` nor ``options`` is given), the optimizer's fused step where the LightningModule
+            chose no implementation (:mod:`lightning_plugin.fused_optimizer`), and glibc keeping freed memory
+            for reuse instead of handing it back, which cost page faults on every step
+            (:mod:`lightning_plugin.cpu_memory`). ``False`` applies none of it.
     """
 
     backend: str | Callable[..., Any] = "inductor"
@@ -92,6 +98,7 @@ class CompileConfig:
     regional: bool = False
     cache: bool | str | os.PathLike[str] = False
     compile: Literal["auto", "always", "never"] = "auto"
+    tune_cpu: bool = True
     _kernel_names: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _fallback_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -115,7 +122,7 @@ class CompileConfig:
             raise ValueError(
                 f"CompileConfig.mode={self.mode!r} needs backend='inductor', got {self.backend!r}"
             )
-        for name in ("fullgraph", "channels_last", "compile_eval", "regional"):
+        for name in ("fullgraph", "channels_last", "compile_eval", "regional", "tune_cpu"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):

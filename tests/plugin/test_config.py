@@ -20,6 +20,7 @@ from lightning_plugin import CompileConfig, CompiledStrategy
         ({"channels_last": 1}, TypeError, "channels_last must be a bool"),
         ({"compile_eval": None}, TypeError, "compile_eval must be a bool"),
         ({"regional": "true"}, TypeError, "regional must be a bool"),
+        ({"tune_cpu": "no"}, TypeError, "tune_cpu must be a bool"),
         ({"dynamic": "auto"}, TypeError, "dynamic must be None, True or False"),
         ({"options": ["shape_padding"]}, TypeError, "options must be a dict"),
         ({"options": {1: True}}, TypeError, "options must be a dict with str keys"),

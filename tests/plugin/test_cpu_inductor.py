@@ -1,6 +1,6 @@
 """The CPU training tuning of Inductor (``lightning_plugin.cpu_inductor``): when it applies, that it is
-active while the strategy compiles (Inductor no longer picks channels_last), and that compiled training
-with it matches eager in float64 (train and eval, gradients, BN running stats)."""
+active while the strategy compiles (Inductor no longer picks channels_last, and writes a C++ wrapper), and
+that compiled training with it matches eager in float64 (train and eval, gradients, BN running stats)."""
 
 from __future__ import annotations
 
@@ -33,15 +33,24 @@ def _compile_for_real():
     torch._dynamo.reset()
 
 
+class _Decisions(list):
+    """``decide_layout_opt`` answers, and ``cpp_wrapper`` as Inductor saw it at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpp_wrappers: list[bool] = []
+
+
 @pytest.fixture
 def layout_decisions(monkeypatch):
     """Every ``decide_layout_opt`` answer Inductor gives while compiling (True: it picks channels_last)."""
-    decisions: list[bool] = []
+    decisions = _Decisions()
     original = GraphLowering.decide_layout_opt
 
     def spy(gm, *, is_inference):
         decision = original(gm, is_inference=is_inference)
         decisions.append(decision)
+        decisions.cpp_wrappers.append(torch._inductor.config.cpp_wrapper)
         return decision
 
     monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(spy))
@@ -87,13 +96,16 @@ def resnet18_fragment() -> nn.Module:
 def test_applies_only_to_plain_inductor_on_cpu(backend, mode, options, device, expected):
     tuned = cpu_inductor.training_options(backend, mode, options, device)
     assert tuned == (cpu_inductor.CPU_TRAINING_OPTIONS if expected else None)
+    assert cpu_inductor.training_options(backend, mode, options, device, tune_cpu=False) is None
 
 
 def test_make_backend_tunes_inductor_on_cpu_and_keeps_user_options():
     stats = CompileStats()
     assert make_backend("inductor", None, None, None, stats, CPU).inner.config == {
-        "layout_optimization": False
+        "layout_optimization": False,
+        "cpp_wrapper": True,
     }
+    assert make_backend("inductor", None, None, None, stats, CPU, tune_cpu=False).inner.config == {}
     assert make_backend("inductor", None, None, None, stats, torch.device("cuda")).inner.config == {}
     user = make_backend("inductor", None, {"shape_padding": True}, None, stats, CPU).inner
     assert user.config == {"shape_padding": True}
@@ -138,16 +150,25 @@ def _fit(strategy) -> None:
     trainer.fit(_Classifier(), torch.utils.data.DataLoader(data, batch_size=3))
 
 
-def test_a_compiled_fit_on_cpu_leaves_the_layout_alone(layout_decisions):
+def test_a_compiled_fit_on_cpu_leaves_the_layout_alone_and_writes_a_cpp_wrapper(layout_decisions):
     _fit("compiled")
-    assert layout_decisions and not any(
-        layout_decisions
-    )  # stock Inductor answers True for mkldnn convs on CPU
+    # stock Inductor answers True for mkldnn convs on CPU, and writes a Python wrapper
+    assert layout_decisions and not any(layout_decisions)
+    assert all(layout_decisions.cpp_wrappers)
 
 
-def test_user_options_switch_the_tuning_off(layout_decisions):
-    _fit(lightning_plugin.CompiledStrategy(options={"shape_padding": True}))
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        lambda: lightning_plugin.CompiledStrategy(options={"shape_padding": True}),
+        lambda: lightning_plugin.CompiledStrategy(tune_cpu=False),
+    ],
+    ids=["user_options", "tune_cpu_false"],
+)
+def test_user_options_or_tune_cpu_false_switch_the_tuning_off(layout_decisions, strategy):
+    _fit(strategy())
     assert any(layout_decisions)
+    assert not any(layout_decisions.cpp_wrappers)
 
 
 # ---------------------------------------------------------------------------------------------- matches eager

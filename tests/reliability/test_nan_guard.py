@@ -79,7 +79,9 @@ def test_raise_names_step_and_value_and_keeps_last_good_weights(poison: str, sho
     model = Poisoned(bad_step=3, poison=poison)
     expected = rf"global step 3 \(epoch 0, batch 3\): the training loss is {re.escape(shown)}"
     with pytest.raises(NonFiniteLossError, match=expected):
-        _trainer([NonFiniteLossGuard()], strategy=CompiledStrategy(backend="eager")).fit(model, _loader())
+        # tune_cpu=False: the reference trains with SGD's default step, bit for bit (fused rounds apart)
+        strategy = CompiledStrategy(backend="eager", tune_cpu=False)
+        _trainer([NonFiniteLossGuard()], strategy=strategy).fit(model, _loader())
     _assert_same(model, _weights_after(3))
 
 
