@@ -2,7 +2,8 @@
 
 Use it when the strategy is not ours (Lightning's ``ddp``, ``fsdp``, a custom one): it
 compiles the LightningModule's ``forward`` in ``setup`` (before the strategy wraps the
-module) and restores it in ``teardown``, with the same ``CompileConfig`` and counters.
+module) and restores it in ``teardown``, with the same ``CompileConfig`` and counters, and on a CPU the same
+``tune_cpu`` settings.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config, 
 from lightning_plugin.compile_stats import CompileStats
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import CompileConfig
+from lightning_plugin.cpu_memory import retain_freed_memory
+from lightning_plugin.fused_optimizer import fuse_optimizer_steps
 
 
 class TorchCompile(Callback):
@@ -46,7 +49,18 @@ class TorchCompile(Callback):
                 f"{type(trainer.strategy).__name__} already "
                 "compiles the module. Remove the callback, or pass the settings to the strategy instead."
             )
-        self._compiler.compile(pl_module, trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        if self._tunes_cpu(device):
+            retain_freed_memory()
+        self._compiler.compile(pl_module, device)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._tunes_cpu(trainer.strategy.root_device):
+            fuse_optimizer_steps(trainer.optimizers, pl_module)
+
+    def _tunes_cpu(self, device: Any) -> bool:
+        return self._compiler.config.tune_cpu and device.type == "cpu"
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

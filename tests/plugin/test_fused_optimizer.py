@@ -154,3 +154,25 @@ def test_tune_cpu_false_keeps_the_modules_optimizer(tmp_path, caplog):
     module = _fit(_strategy(tune_cpu=False), tmp_path, max_steps=1)
     assert module.fused_at_step == [False]
     assert _settings_lines(caplog) == []
+
+
+def test_the_torch_compile_callback_fuses_the_step_too(tmp_path):
+    from lightning_plugin.callbacks import TorchCompile
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(4, 3, 6, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+    )
+    module = _Module()
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[TorchCompile(backend="eager")],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    assert module.fused_at_step == [True]
