@@ -345,6 +345,9 @@ def model_signature(module: nn.Module, batch: Any, precision: str, compiler: Mod
         f"backend={backend}",
         f"mode={config.mode}",
         f"options={config.options}",
+        f"tune_cpu={config.tune_cpu}",
+        # what Inductor is given (the CPU tuning included): a retuned strategy measures anew
+        f"inductor={sorted(compiler.inductor_options.items())}",
         f"dynamic={config.dynamic}",
         f"regional={config.regional}",
         f"channels_last={config.channels_last}",

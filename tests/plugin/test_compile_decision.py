@@ -203,8 +203,8 @@ def test_several_fits_of_one_trainer_decide_once():
     assert strategy.compile_stats.graphs == 0
 
 
-def _signature(module, shape=(8, 3, 8, 8), precision="32-true", backend="inductor"):
-    compiler = lightning_plugin.CompiledStrategy(backend=backend)._compiler
+def _signature(module, shape=(8, 3, 8, 8), precision="32-true", backend="inductor", **settings):
+    compiler = lightning_plugin.CompiledStrategy(backend=backend, **settings)._compiler
     return model_signature(module, (torch.zeros(shape), torch.zeros(shape[0])), precision, compiler)
 
 
@@ -219,6 +219,15 @@ def test_cache_key_changes_with_input_model_precision_and_device():
     assert _signature(SlowEagerModule()) != base
     assert _signature(TinyModule(), precision="bf16-mixed") != base
     assert _signature(TinyModule(), backend="aot_eager") != base
+    assert _signature(TinyModule(), tune_cpu=False) != base
+    # the Inductor options actually given (the CPU tuning's) are part of it: a retuned strategy measures anew
+    compiled = lightning_plugin.CompiledStrategy()._compiler
+    module = TinyModule()
+    assert compiled.compile(module, torch.device("cpu"))
+    assert compiled.inductor_options.get("cpp_wrapper") is True
+    batch = (torch.zeros(8, 3, 8, 8), torch.zeros(8))
+    assert model_signature(module, batch, "32-true", compiled) != base
+    compiled.restore(module)
     cpu = decision_fingerprint(torch.device("cpu"))
     threads = torch.get_num_threads()
     try:
