@@ -1,6 +1,7 @@
 """The compiled colour jitter (fixed step sequence, a contrast mean per half) against the separate ops, in
 every one of the 24 orders, eagerly and compiled: the contrast mean is the one of the image as that step
-sees it, wherever the step falls (before the hue step, after it, first, last)."""
+sees it, wherever the step falls (before the hue step, after it, first, last).  And a normalize folded into
+the jitter against the two ops run one after the other."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from vision.data import ColorJitter, Normalize, Pipeline
 from vision.data.functional.color import (
     adjust_brightness,
     adjust_contrast,
@@ -77,3 +79,27 @@ def test_a_gray_batch_runs_the_blends_without_hue(real_images):
             elif step == 1:
                 ref = (ref * factors[1][i] + ref.mean() * (1 - factors[1][i])).clamp(0, 255)
         torch.testing.assert_close(ours[i : i + 1], ref, atol=TOLERANCE, rtol=0, msg=f"sample {i}")
+
+
+# ------------------------------------------------------------------------------------- normalize folded in
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "normalize",
+    [Normalize(), Normalize((0.3,), (0.7,), max_pixel_value=200.0)],
+    ids=["per-channel", "one-value"],
+)
+def test_normalize_folded_into_the_jitter_equals_the_two_ops(real_images, compile_, normalize):
+    jitter = ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8)
+    pipe = Pipeline([jitter, normalize], channels_last=False, compile=compile_)
+    assert pipe._steps == [[0, 1]]  # the normalize really was folded
+    x = real_images[:8]
+    params = pipe.sample(8, 32, 32, torch.Generator().manual_seed(3))
+    ours, _ = pipe(x, params=params)
+    ref = normalize.apply(jitter.apply(x, params[0]), {})
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_a_folded_normalize_keeps_its_channel_check():
+    pipe = Pipeline([ColorJitter(p=1.0), Normalize((0.5, 0.5), (0.2, 0.2))], compile=False)
+    with pytest.raises(ValueError, match="2 mean values for images with 3 channels"):
+        pipe(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))

@@ -312,5 +312,13 @@ def normalize_factors(
 
 
 def normalize(images: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
-    """``x * scale + bias`` per channel, float32."""
-    return as_float(images) * scale.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+    """``x * scale + bias`` per channel, float32; ``scale`` and ``bias`` are (C,), or (N, C) per sample."""
+    shape = (*scale.shape, 1, 1) if scale.ndim == 2 else (1, -1, 1, 1)
+    return as_float(images) * scale.view(shape) + bias.view(shape)
+
+
+def normalize_planes(planes: Sequence[Tensor], scale: Tensor, bias: Tensor) -> list[Tensor]:
+    """:func:`normalize` of channel planes (N, H, W) with (N, C) ``scale`` and ``bias``: one map per plane,
+    so a compiled colour jitter writes normalized planes straight away instead of re-reading its output."""
+    n = planes[0].shape[0]
+    return [p * scale[:, c].view(n, 1, 1) + bias[:, c].view(n, 1, 1) for c, p in enumerate(planes)]
