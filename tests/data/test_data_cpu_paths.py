@@ -117,3 +117,26 @@ def test_a_dropped_batch_memory_is_reused_without_page_faults(real_images):
     # A fresh output alone faults in all `pages` (43,501 faults in all before the buffers were reused); the
     # resampler's own temporaries add a load-dependent few thousand (up to 3,092 seen on a loaded machine).
     assert faults < pages // 2, f"{faults} page faults for an output of {pages} pages"
+
+
+def test_the_compiled_cpu_graph_output_is_copied_into_the_batch_once(real_images, monkeypatch):
+    """Large outputs: the graph's float planes go into the channels_last output in one copy (ATen converts
+    dtype and layout in the same pass), not a converted copy first and then a second one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the row slices run here, in this thread
+    pipe = Pipeline([RandomResizedCrop(100), ColorJitter(p=1.0), Normalize()])  # a large, chunked output
+    x = real_images[:6]
+    pipe(x, generator=torch.Generator().manual_seed(0))  # compiles
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out, _ = pipe(x, generator=torch.Generator().manual_seed(1))
+    full_size_copies = [
+        e.input_shapes[0]
+        for e in prof.events()
+        if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0][-2:] == [100, 100]
+    ]
+    assert out.is_contiguous(memory_format=torch.channels_last) and not pipe._compile_failed
+    # Per sample: one copy of the uint8 resize into its planar batch, one of the graph's output into `out`.
+    assert sum(shape[0] for shape in full_size_copies) == 2 * 6, full_size_copies
+    ref, _ = Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)

@@ -257,10 +257,11 @@ class Pipeline:
             if compiled is not None and x.device.type == "cpu":
                 # On the CPU the graph ends in the output dtype but keeps its own layout: ATen's eager copy
                 # to channels_last is 4x cheaper than Inductor's scalar stores for it (a no-op when the
-                # graph's output is channels_last already, as a crop's gather is).
+                # graph's output is channels_last already, as a crop's gather is).  Into ``out`` (it has the
+                # output's dtype and layout) that is one copy, not a converted copy and then a second one.
                 x, targets = compiled(x, prepared[start:end], index, targets, ragged and start == 0, None)
                 if last:
-                    x, _ = ops_runner([], self._finish)(x, [], None, None, out)
+                    x = out.copy_(x) if out is not None else self._finish(x)
             elif compiled is not None:
                 x, targets = compiled(
                     x, prepared[start:end], index, targets, ragged and start == 0, out if last else None
