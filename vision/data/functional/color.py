@@ -217,7 +217,8 @@ def jitter_planes(planes: Sequence[Tensor], tables: dict[str, Tensor], with_hue:
     planes = _contrast_blends(list(planes), tables, range(BLEND_STEPS))
     if len(planes) == 3 and with_hue:
         n = planes[0].shape[0]
-        shifted = hue_planes(*planes, tables["hue"].view(n, 1, 1))
+        r, g, b = planes
+        shifted = hue_planes(r, g, b, tables["hue"].view(n, 1, 1))
         on = tables["hue_on"].view(n, 1, 1)
         planes = [torch.where(on, new, old) for new, old in zip(shifted, planes)]
     return _contrast_blends(planes, tables, range(BLEND_STEPS, 2 * BLEND_STEPS))
