@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+import vision.data.compiled as compiled_module
+
 cv2 = pytest.importorskip("cv2")
 
 from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RaggedBatch, RandomResizedCrop
@@ -178,3 +180,24 @@ def test_the_compiled_cpu_graph_output_is_copied_into_the_batch_once(real_images
     assert sum(shape[0] for shape in full_size_copies) == 6, full_size_copies
     ref, _ = Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("threads, n, chunk", [(2, 64, 16), (2, 20, 5), (2, 512, 16), (8, 64, 4), (1, 6, 4)])
+def test_large_cpu_outputs_run_in_calls_of_up_to_16_samples_two_per_thread(
+    real_images, monkeypatch, threads, n, chunk
+):
+    """Fewer, larger compiled calls (each costs ~0.2 ms of overhead), but at least two per thread."""
+    chunks: list[int] = []
+    map_rows = Pipeline._map_rows
+
+    def recording(n_rows, chunk_size, run_rows, first_alone=False):
+        chunks.append(chunk_size)
+        map_rows(n_rows, chunk_size, run_rows, first_alone)
+
+    monkeypatch.setattr(Pipeline, "_map_rows", staticmethod(recording))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")  # the chunking, not Inductor, is under test
+    x = torch.nn.functional.interpolate(real_images[:4].float(), size=100).round().byte()
+    x = x.repeat(-(-n // 4), 1, 1, 1)[:n]  # n samples of 100 x 100: a large output
+    Pipeline([ColorJitter(p=1.0), Normalize()])(x)
+    assert chunks == [chunk]
