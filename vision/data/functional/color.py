@@ -313,9 +313,8 @@ def normalize_factors(
 
 
 def normalize(images: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
-    """``x * scale + bias`` per channel, float32; ``scale`` and ``bias`` are (C,), or (N, C) per sample."""
-    shape = (*scale.shape, 1, 1) if scale.ndim == 2 else (1, -1, 1, 1)
-    return as_float(images) * scale.view(shape) + bias.view(shape)
+    """``x * scale + bias`` per channel, float32."""
+    return as_float(images) * scale.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
 
 
 def normalize_planes(planes: Sequence[Tensor], scale: Tensor, bias: Tensor) -> list[Tensor]:
