@@ -84,12 +84,12 @@ def test_a_gray_batch_runs_the_blends_without_hue(real_images):
 # ------------------------------------------------------------------------------------- normalize folded in
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(
-    "normalize",
-    [Normalize(), Normalize((0.3,), (0.7,), max_pixel_value=200.0)],
-    ids=["per-channel", "one-value"],
+    "normalize, hue",
+    [(Normalize(), 0.1), (Normalize((0.3,), (0.7,), max_pixel_value=200.0), 0.1), (Normalize(), 0.0)],
+    ids=["per-channel", "one-value", "no-hue-step"],
 )
-def test_normalize_folded_into_the_jitter_equals_the_two_ops(real_images, compile_, normalize):
-    jitter = ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8)
+def test_normalize_folded_into_the_jitter_equals_the_two_ops(real_images, compile_, normalize, hue):
+    jitter = ColorJitter(0.4, 0.4, 0.4, hue, p=0.8)
     pipe = Pipeline([jitter, normalize], channels_last=False, compile=compile_)
     assert pipe._steps == [[0, 1]]  # the normalize really was folded
     x = real_images[:8]
