@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+import vision.data.compiled as compiled_module
+
 cv2 = pytest.importorskip("cv2")
 
 from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RaggedBatch, RandomResizedCrop
+from vision.data.functional import geometry
 from vision.data.functional.geometry import gather_resample, resample_tables, resize_boxes
 
 
@@ -55,6 +58,43 @@ def test_uint8_box_resize_matches_opencv_and_the_float_resampler(real_images, n,
         assert diff.max() <= 1, (
             f"sample {i}: {diff.max()} levels from cv2.resize (both round fixed-point sums)"
         )
+
+
+def _cv2_boxes(images: torch.Tensor, params: dict, size: tuple[int, int], flip: torch.Tensor) -> torch.Tensor:
+    """Each box cut out, resized by cv2.resize (what albumentations runs) and mirrored: the reference."""
+    out = []
+    for i in range(images.shape[0]):
+        y0, x0, h, w = (int(params[k][i]) for k in ("top", "left", "height", "width"))
+        crop = np.ascontiguousarray(images[i, :, y0 : y0 + h, x0 : x0 + w].permute(1, 2, 0).numpy())
+        ref = cv2.resize(crop, size[::-1], interpolation=cv2.INTER_LINEAR).reshape(*size, -1)
+        out.append(torch.from_numpy(np.ascontiguousarray(ref[:, ::-1] if flip[i] else ref)).permute(2, 0, 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_box_resize_is_opencv_exactly_from_planar_and_channels_last_batches(real_images, channels):
+    x = real_images[:5, :channels]
+    params = RandomResizedCrop((23, 37), scale=(0.1, 1.0)).sample(5, 32, 32, torch.Generator().manual_seed(2))
+    flip = torch.tensor([True, False, True, True, False])
+    boxes = (params["top"], params["left"], params["height"], params["width"])
+    ref = _cv2_boxes(x, params, (23, 37), flip)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        ours = resize_boxes(x.contiguous(memory_format=layout), *boxes, (23, 37), flip)
+        assert ours.is_contiguous() and ours.shape == (5, channels, 23, 37)
+        assert torch.equal(ours, ref), f"{layout}: {(ours.int() - ref.int()).abs().max()} levels from cv2"
+
+
+def test_without_opencv_the_aten_kernel_resizes_within_a_level_of_it(real_images, monkeypatch):
+    monkeypatch.setattr(geometry, "opencv", lambda: None)
+    x = real_images[:4]
+    params = RandomResizedCrop((29, 17), scale=(0.1, 1.0)).sample(4, 32, 32, torch.Generator().manual_seed(3))
+    flip = torch.tensor([True, False, False, True])
+    boxes = (params["top"], params["left"], params["height"], params["width"])
+    planar = resize_boxes(x, *boxes, (29, 17), flip)
+    assert torch.equal(
+        planar, resize_boxes(x.contiguous(memory_format=torch.channels_last), *boxes, (29, 17), flip)
+    )
+    assert (planar.int() - _cv2_boxes(x, params, (29, 17), flip).int()).abs().max() <= 1
 
 
 def test_uint8_box_resize_rejects_what_it_cannot_do():
@@ -117,3 +157,47 @@ def test_a_dropped_batch_memory_is_reused_without_page_faults(real_images):
     # A fresh output alone faults in all `pages` (43,501 faults in all before the buffers were reused); the
     # resampler's own temporaries add a load-dependent few thousand (up to 3,092 seen on a loaded machine).
     assert faults < pages // 2, f"{faults} page faults for an output of {pages} pages"
+
+
+def test_the_compiled_cpu_graph_output_is_copied_into_the_batch_once(real_images, monkeypatch):
+    """Large outputs: the graph's float planes go into the channels_last output in one copy (ATen converts
+    dtype and layout in the same pass), not a converted copy first and then a second one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the row slices run here, in this thread
+    pipe = Pipeline([ColorJitter(p=1.0), Normalize()])  # 100 x 100: a large, chunked output
+    x = torch.nn.functional.interpolate(real_images[:6].float(), size=100).round().byte()
+    pipe(x, generator=torch.Generator().manual_seed(0))  # compiles
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out, _ = pipe(x, generator=torch.Generator().manual_seed(1))
+    full_size_copies = [
+        e.input_shapes[0]
+        for e in prof.events()
+        if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0][-2:] == [100, 100]
+    ]
+    assert out.is_contiguous(memory_format=torch.channels_last) and not pipe._compile_failed
+    # The input goes into the graph as it is: the only full-size copy is the graph's output into `out`.
+    assert sum(shape[0] for shape in full_size_copies) == 6, full_size_copies
+    ref, _ = Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("threads, n, chunk", [(2, 64, 16), (2, 20, 5), (2, 512, 16), (8, 64, 4), (1, 6, 4)])
+def test_large_cpu_outputs_run_in_calls_of_up_to_16_samples_two_per_thread(
+    real_images, monkeypatch, threads, n, chunk
+):
+    """Fewer, larger compiled calls (each costs ~0.2 ms of overhead), but at least two per thread."""
+    chunks: list[int] = []
+    map_rows = Pipeline._map_rows
+
+    def recording(n_rows, chunk_size, run_rows, first_alone=False):
+        chunks.append(chunk_size)
+        map_rows(n_rows, chunk_size, run_rows, first_alone)
+
+    monkeypatch.setattr(Pipeline, "_map_rows", staticmethod(recording))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")  # the chunking, not Inductor, is under test
+    x = torch.nn.functional.interpolate(real_images[:4].float(), size=100).round().byte()
+    x = x.repeat(-(-n // 4), 1, 1, 1)[:n]  # n samples of 100 x 100: a large output
+    Pipeline([ColorJitter(p=1.0), Normalize()])(x)
+    assert chunks == [chunk]

@@ -20,9 +20,10 @@ from vision.data.functional.color import (
     jitter_tables,
     normalize,
     normalize_factors,
+    normalize_planes,
     rgb_to_gray,
 )
-from vision.data.ops import BatchOp, Params, bernoulli, check_p, uniform
+from vision.data.ops import NORMALIZE_AFTER, BatchOp, Params, bernoulli, check_p, uniform
 
 _JITTER_TABLES = ("f", "s", "m", "contrast_slot", "hue", "hue_on")
 _JITTER_PARAMS = ("brightness", "contrast", "saturation", "hue", "order")
@@ -87,17 +88,36 @@ class ColorJitter(BatchOp):
             "order": order,
         }
 
+    folds = frozenset({NORMALIZE_AFTER})
+
     def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
+        params = dict(params)
+        folded = params.pop(NORMALIZE_AFTER, None)  # (3, k), not per sample: must not stay in the params
         tables = jitter_tables(*(params[k].cpu() for k in _JITTER_PARAMS))
-        return {**params, **{f"jitter_{k}": v for k, v in tables.items()}}
+        params.update({f"jitter_{k}": v for k, v in tables.items()})
+        if folded is not None:
+            mean, std, max_pixel = folded.tolist()
+            scale, bias = Normalize(mean, std, max_pixel[0]).factors(int(shape[1]), torch.device("cpu"))
+            n = params["brightness"].shape[0]
+            params.update(normalize_scale=scale.repeat(n, 1), normalize_bias=bias.repeat(n, 1))
+        return params
 
     def apply(self, images: Tensor, params: Params) -> Tensor:
+        """The jitter, then the normalize folded into it if any (``normalize_scale``/``normalize_bias``)."""
         with_hue = self.hue != (0.0, 0.0)
+        scale, bias = params.get("normalize_scale"), params.get("normalize_bias")
         if not torch.compiler.is_compiling():  # eagerly: skips per sample what it does not need
             brightness, contrast, saturation, hue, order = (params[k] for k in _JITTER_PARAMS)
-            return color_jitter(images, brightness, contrast, saturation, hue, order, apply_hue=with_hue)
+            out = color_jitter(images, brightness, contrast, saturation, hue, order, apply_hue=with_hue)
+            if scale is None or bias is None:
+                return out
+            return out.mul_(scale.view(*scale.shape, 1, 1)).add_(bias.view(*bias.shape, 1, 1))  # our buffer
         tables = {k: params[f"jitter_{k}"].to(images.device) for k in _JITTER_TABLES}
-        return torch.stack(jitter_planes(as_float(images).unbind(1), tables, with_hue=with_hue), dim=1)
+        planes = jitter_planes(as_float(images).unbind(1), tables, with_hue=with_hue)
+        if scale is not None and bias is not None:
+            # Normalized plane by plane: stacking first would leave the normalize a pass of its own.
+            planes = normalize_planes(planes, scale.to(images.device), bias.to(images.device))
+        return torch.stack(planes, dim=1)
 
 
 class ToGray(BatchOp):
@@ -141,7 +161,18 @@ class Normalize(BatchOp):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_factor_cache": {}}  # cached device tensors stay in this process
 
-    def _factors(self, channels: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    fold_key = NORMALIZE_AFTER
+
+    def fold_as(self, params: Params) -> Params:
+        """``mean``, ``std`` and ``max_pixel_value`` (repeated) as the rows of a (3, k) tensor."""
+        k = len(self.mean)
+        rows = [self.mean, self.std, (self.max_pixel_value,) * k]
+        return {NORMALIZE_AFTER: torch.tensor(rows, dtype=torch.float64)}
+
+    def factors(self, channels: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``scale`` and ``bias`` (C,) of ``x * scale + bias`` for images with ``channels`` channels."""
+        if len(self.mean) not in (1, channels):
+            raise ValueError(f"Normalize: {len(self.mean)} mean values for images with {channels} channels")
         if torch.compiler.is_compiling():  # constants of the graph
             return normalize_factors(self.mean, self.std, self.max_pixel_value, channels, device)
         key = (str(device), channels)  # eagerly: made once per device, not on every batch
@@ -152,7 +183,4 @@ class Normalize(BatchOp):
         return self._factor_cache[key]
 
     def apply(self, images: Tensor, params: Params) -> Tensor:
-        c = images.shape[1]
-        if len(self.mean) not in (1, c):
-            raise ValueError(f"Normalize: {len(self.mean)} mean values for images with {c} channels")
-        return normalize(images, *self._factors(c, images.device))
+        return normalize(images, *self.factors(images.shape[1], images.device))

@@ -10,8 +10,9 @@ no Python branches on tensor values, no host syncs).
 What an op can fuse is declared on the op, never inferred from its type by the pipeline:
 
 - ``fold_key``/``folds``: an op that can be expressed as a parameter of the op before it (a horizontal flip
-  becomes the mirrored sampling grid of a crop) names that parameter in ``fold_key`` and gives its value
-  with :meth:`BatchOp.fold_as`; the op before it lists the keys it can take in ``folds``.
+  becomes the mirrored sampling grid of a crop; a normalize, the last step of a colour jitter) names that
+  parameter in ``fold_key`` and gives its value with :meth:`BatchOp.fold_as`; the op before it lists the
+  keys it can take in ``folds``.
 - ``fuses_gather``: the first op of a pipeline may pick the batch out of a larger store itself
   (``apply(store, params, index=...)``).
 - ``compilable``: the op's ``apply`` can be traced into one graph with its neighbours; ``compiles_on(device)``
@@ -32,6 +33,8 @@ from vision.data.functional.pool import cpu_pool
 Params = dict[str, Tensor]
 #: Params key of a horizontal flip folded into the op before it.
 FLIP_AFTER = "flip_after"
+#: Params key of a normalize folded into the op before it: its ``(mean, std, max_pixel_value)`` as rows.
+NORMALIZE_AFTER = "normalize_after"
 
 
 @dataclass

@@ -6,9 +6,10 @@ what albumentations does on uint8 images (it never wraps around); the only diffe
 round to integers between steps.  Hue is shifted in HSV exactly like albumentations' float path.
 
 Colour jitter works on channel planes (``r, g, b`` as ``(N, H, W)`` tensors) so that every step is a
-pointwise map of a pixel's three values, which ``torch.compile`` fuses into one loop over pixels, plus one
-reduction for the contrast's mean.  The per-sample order of the four ops is turned into a fixed sequence
-of seven steps (three blends, hue, three blends; see :func:`jitter_tables`), so no sample branches.
+pointwise map of a pixel's three values, which ``torch.compile`` fuses into loops over pixels, with a
+reduction for the contrast's mean before each half of the sequence.  The per-sample order of the four ops
+is turned into a fixed sequence of seven steps (three blends, hue, three blends; see :func:`jitter_tables`),
+so no sample branches.
 """
 
 from __future__ import annotations
@@ -174,44 +175,53 @@ def jitter_tables(
     }
 
 
-def _run_steps(
-    planes: list[Tensor], t: dict[str, Tensor], mean: Tensor | None, with_hue: bool
+def _blend_slots(
+    planes: list[Tensor], t: dict[str, Tensor], slots: range, mean: Tensor | None
 ) -> tuple[list[Tensor], Tensor]:
-    """The step sequence of :func:`jitter_tables` on channel planes.
+    """The blend ``slots`` of :func:`jitter_tables` on channel planes; returns (planes, seen).
 
-    With ``mean`` None (the first pass) the contrast bias is left out and the gray level of the image as the
-    contrast step sees it is summed instead (over the contrast slot only); returns (planes, that sum).
+    ``seen`` (N,) is the sum over the pixels of the gray level that the contrast slot among ``slots`` gets
+    as input (0 for a sample whose contrast is elsewhere): only the slots before it matter for that, and no
+    contrast runs before it, so the contrast bias (``m * mean``) is left out when ``mean`` is None.
     """
     n = planes[0].shape[0]
     col = lambda key, j: t[key][:, j].view(n, 1, 1)  # noqa: E731  (one sample's coefficient, broadcast)
     seen = torch.zeros((), device=planes[0].device)  # per pixel: the gray level at the contrast slot
-    for j in range(2 * BLEND_STEPS):
-        if j == BLEND_STEPS and len(planes) == 3 and with_hue:
-            r, g, b = planes
-            shifted = hue_planes(r, g, b, t["hue"].view(n, 1, 1))
-            on = t["hue_on"].view(n, 1, 1)
-            planes = [torch.where(on, new, old) for new, old in zip(shifted, planes)]
+    for j in slots:
         gray = gray_plane(*planes) if len(planes) == 3 else planes[0]
-        if mean is None:
-            seen = seen + gray * col("contrast_slot", j)
-            bias = col("s", j) * gray
-        else:
-            bias = col("s", j) * gray + col("m", j) * mean.view(n, 1, 1)
+        seen = seen + gray * col("contrast_slot", j)
+        bias = col("s", j) * gray
+        if mean is not None:
+            bias = bias + col("m", j) * mean.view(n, 1, 1)
         planes = [(col("f", j) * p + bias).clamp(0.0, 255.0) for p in planes]
     # One sum over the pixels, not one per slot: a single reduction loop once compiled.
-    return planes, seen.sum(dim=(1, 2)) if mean is None else seen
+    return planes, seen.sum(dim=(1, 2))
+
+
+def _contrast_blends(planes: list[Tensor], t: dict[str, Tensor], slots: range) -> list[Tensor]:
+    """``slots`` with the contrast mean of the image as it enters them: a reduction, then the blends."""
+    _, seen = _blend_slots(planes, t, slots, None)
+    return _blend_slots(planes, t, slots, seen / (planes[0].shape[1] * planes[0].shape[2]))[0]
 
 
 def jitter_planes(planes: Sequence[Tensor], tables: dict[str, Tensor], with_hue: bool = True) -> list[Tensor]:
     """Colour jitter of float channel planes (0..255 units) with the coefficients of :func:`jitter_tables`.
 
-    Two passes over the pixels: the contrast step's mean gray level (it depends on the steps before it), then
-    the whole sequence.  ``with_hue=False`` leaves the hue step out (an op whose hue range is zero).
+    Contrast needs the mean gray level of the image as its step sees it, a reduction over the pixels first.
+    The blend slots before the hue step and those after it are two halves, each run as that reduction and
+    then its blends: the hue step's output is the second half's input, which the compiler stores once, so
+    no pass recomputes the hue step or the first half (computing the mean over the whole sequence and then
+    running the sequence again would do every step twice).  ``with_hue=False`` leaves the hue step out (an
+    op whose hue range is zero).
     """
-    planes = list(planes)
-    _, seen = _run_steps(planes, tables, None, with_hue)
-    mean = seen / (planes[0].shape[1] * planes[0].shape[2])
-    return _run_steps(planes, tables, mean, with_hue)[0]
+    planes = _contrast_blends(list(planes), tables, range(BLEND_STEPS))
+    if len(planes) == 3 and with_hue:
+        n = planes[0].shape[0]
+        r, g, b = planes
+        shifted = hue_planes(r, g, b, tables["hue"].view(n, 1, 1))
+        on = tables["hue_on"].view(n, 1, 1)
+        planes = [torch.where(on, new, old) for new, old in zip(shifted, planes)]
+    return _contrast_blends(planes, tables, range(BLEND_STEPS, 2 * BLEND_STEPS))
 
 
 def _where_samples(
@@ -305,3 +315,10 @@ def normalize_factors(
 def normalize(images: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
     """``x * scale + bias`` per channel, float32."""
     return as_float(images) * scale.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+
+
+def normalize_planes(planes: Sequence[Tensor], scale: Tensor, bias: Tensor) -> list[Tensor]:
+    """:func:`normalize` of channel planes (N, H, W) with (N, C) ``scale`` and ``bias``: one map per plane,
+    so a compiled colour jitter writes normalized planes straight away instead of re-reading its output."""
+    n = planes[0].shape[0]
+    return [p * scale[:, c].view(n, 1, 1) + bias[:, c].view(n, 1, 1) for c, p in enumerate(planes)]

@@ -13,7 +13,9 @@ rounding; like OpenCV it does not antialias.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vision.data.functional._triton import use_resample_kernel
+from vision.data.functional.opencv_resize import Box, opencv, resize_rows
 from vision.data.functional.pool import cpu_pool
 
 BORDER_MODES = ("constant", "reflect", "symmetric", "edge")
@@ -214,13 +217,14 @@ def resize_boxes(
     """Bilinear resize of each integer box to ``size``, uint8 in and out: ``(N, C, h, w)`` contiguous.
 
     The CPU path of :func:`resample` for whole-pixel boxes (random resized crops, resizes): one call per image
-    of ATen's uint8 bilinear kernel, which is vectorized fixed-point arithmetic on channels_last RGB like
-    OpenCV's ``INTER_LINEAR`` (what albumentations runs), about 6x faster on the CPU than the gather Inductor
-    compiles from :func:`gather_resample` (byte loads one at a time).  Same sampling positions as
-    :func:`resample_tables` (half-pixel centres, the box's border replicated).  The kernel is separable and
-    rounds to integers after each pass, so it is within 1 level of the float resampler and of OpenCV (tests
-    check both).  ``flip`` (N,) bool mirrors the chosen outputs.  The output is planar (NCHW):
-    the compiled colour ops after it vectorize over planes, and read interleaved pixels 3x slower.
+    of OpenCV's ``INTER_LINEAR`` (what albumentations runs; see :mod:`.opencv_resize`), or, without OpenCV,
+    of ATen's uint8 bilinear kernel (vectorized fixed-point arithmetic on channels_last RGB like OpenCV's);
+    either is about 6x faster on the CPU than the gather Inductor compiles from :func:`gather_resample` (byte
+    loads one at a time).  Same sampling positions as :func:`resample_tables` (half-pixel centres, the box's
+    border replicated).  Both kernels are separable and round to integers, so they are within 1 level of the
+    float resampler, and ATen's of OpenCV's (tests check this).  ``flip`` (N,) bool mirrors the chosen
+    outputs.  The output is planar (NCHW): the compiled colour ops after it vectorize over planes, and read
+    interleaved pixels 3x slower.
     """
     if images.dtype != torch.uint8 or images.device.type != "cpu":
         raise ValueError(
@@ -228,28 +232,40 @@ def resize_boxes(
         )
     n, c = images.shape[0], images.shape[1]
     out = torch.empty((n, c, *size), dtype=torch.uint8)
-    src = images.contiguous(
-        memory_format=torch.channels_last
-    )  # a no-op for decoded batches (see RaggedBatch)
     mirror = [False] * n if flip is None else flip.tolist()
-    boxes = list(zip(top.tolist(), left.tolist(), height.tolist(), width.tolist()))
-
-    def resize(rows: range) -> None:
-        one = torch.empty((1, c, *size), dtype=torch.uint8, memory_format=torch.channels_last)
-        for i in rows:
-            y0, x0, h, w = (int(v) for v in boxes[i])
-            box = src[i : i + 1, :, y0 : y0 + h, x0 : x0 + w]
-            # torch's stub of this ATen op lacks its (..., scales_h, scales_w, out=) overload.
-            torch._C._nn.upsample_bilinear2d(box, list(size), False, None, None, out=one)  # type: ignore[call-arg]
-            out[i : i + 1].copy_(one.flip(-1) if mirror[i] else one)
-
-    # Images split across single-threaded workers (see functional.pool): one small ATen call per image.
+    boxes = [
+        (int(y), int(x), int(h), int(w))
+        for y, x, h, w in zip(*(t.tolist() for t in (top, left, height, width)))
+    ]
+    resize: Callable[[range], None]
+    if opencv() is not None:
+        if not (c == 3 and images.is_contiguous(memory_format=torch.channels_last)):
+            images = images.contiguous()  # read plane by plane (a no-op for NCHW batches)
+        resize = functools.partial(resize_rows, images, boxes, mirror, out)
+    else:
+        resize = functools.partial(
+            _aten_resize_rows, images.contiguous(memory_format=torch.channels_last), boxes, mirror, out
+        )
+    # Images split across single-threaded workers (see functional.pool): one small call per image.
     threads = min(torch.get_num_threads(), n)
     if threads > 1:
         list(cpu_pool(threads).map(resize, [range(k, n, threads) for k in range(threads)]))
     else:
         resize(range(n))
     return out
+
+
+def _aten_resize_rows(src: Tensor, boxes: list[Box], mirror: list[bool], out: Tensor, rows: range) -> None:
+    """:func:`resize_boxes` of the images ``rows`` with ATen's kernel; ``src`` channels_last (the kernel's
+    fast layout: a no-op for decoded batches, see RaggedBatch)."""
+    size, c = list(out.shape[-2:]), out.shape[1]
+    one = torch.empty((1, c, *size), dtype=torch.uint8, memory_format=torch.channels_last)
+    for i in rows:
+        y0, x0, h, w = boxes[i]
+        box = src[i : i + 1, :, y0 : y0 + h, x0 : x0 + w]
+        # torch's stub of this ATen op lacks its (..., scales_h, scales_w, out=) overload.
+        torch._C._nn.upsample_bilinear2d(box, size, False, None, None, out=one)  # type: ignore[call-arg]
+        out[i : i + 1].copy_(one.flip(-1) if mirror[i] else one)
 
 
 def whole_pixel_boxes(images: Tensor, params: dict[str, Tensor]) -> bool:
