@@ -70,6 +70,31 @@ def test_every_fit_of_many_runs_compiled(new_module_each_fit):
         assert stats.graphs + stats.reused_frames >= 1, stats.summary()
 
 
+class ShapeRecorder(GraphRunCounter):
+    """Also records, for each graph compiled, whether dynamo made any input size dynamic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dynamic: list[bool] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        sizes = [s for v in values if isinstance(v, torch.Tensor) for s in v.shape]
+        self.dynamic.append(any(isinstance(v, torch.SymInt) for v in [*values, *sizes]))
+        return super().__call__(gm, example_inputs)
+
+
+def test_a_fit_of_another_input_size_compiles_static_graphs():
+    """Dynamo remembers the sizes that changed between compiles of a code; a second model through the same
+    ``forward`` got dynamic-shape graphs (slower steps) before the strategy forgot that at each compile."""
+    recorder = ShapeRecorder()
+    for size in (8, 12):
+        trainer = L.Trainer(strategy=CompiledStrategy(backend=recorder, compile="always"), **TRAINER_KWARGS)
+        graphs_before = len(recorder.dynamic)
+        trainer.fit(TinyModule(), make_loader(n=16, size=size))  # two full batches: no smaller last one
+        assert recorder.dynamic[graphs_before:] == [False], recorder.dynamic
+
+
 def test_alternating_compile_settings_stay_compiled():
     """A sweep over compile settings: each setting's graphs must not use up the others' room in dynamo's
     cache."""
