@@ -10,6 +10,13 @@ import pytest
 from script_loader import load_script
 
 
+@pytest.fixture(autouse=True)
+def _run_in_a_temporary_folder(tmp_path, monkeypatch):
+    """The examples write their run folders (checkpoints, the compile cache) into the working directory: keep
+    them out of the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _load(relative: str):
     module = load_script(relative)
     assert (
