@@ -99,7 +99,6 @@ class CompiledStrategyMixin(_StrategyBase):
         self._decider = CompileDecider(self._compiler, config.compile)
         self._cache_file: Path | None = None  # where this run writes its compile cache
         self._frames_at_cache_save = 0
-        self._cpu_memory_kept = False  # glibc told to keep freed memory (tune_cpu on a CPU)
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -135,7 +134,8 @@ class CompiledStrategyMixin(_StrategyBase):
         module = self.lightning_module
         if module is None:
             return
-        self._cpu_memory_kept = self._tunes_cpu() and retain_freed_memory()
+        if self.compile_config.tunes_cpu(self.root_device):
+            retain_freed_memory()
         if self._compiler.config.compile == "never":
             self._begin_decision(module)
             return
@@ -159,16 +159,13 @@ class CompiledStrategyMixin(_StrategyBase):
                     f"Inductor alone and keeps only the correct ones at least {MIN_SPEEDUP}x faster"
                 )
 
-    def _tunes_cpu(self) -> bool:
-        return self._compiler.config.tune_cpu and self.root_device.type == "cpu"
-
     @override
     def on_train_start(self) -> None:
         """On a CPU: the fused optimizer step (:mod:`lightning_plugin.fused_optimizer`) and one line on
         the CPU tuning. Here: after a resume restored the optimizer's state (and its groups' settings)."""
         super().on_train_start()
         module = self.lightning_module
-        if module is None or not self._tunes_cpu():
+        if module is None or not self.compile_config.tunes_cpu(self.root_device):
             return
         fused = fuse_optimizer_steps(self.optimizers, module)
         applied = []
@@ -176,7 +173,7 @@ class CompiledStrategyMixin(_StrategyBase):
             applied.append("Inductor's C++ wrapper, no layout optimisation")
         if fused:
             applied.append(f"fused {'/'.join(fused)} step")
-        if self._cpu_memory_kept:
+        if retain_freed_memory():  # set at compile time; answers from its once-per-process result
             applied.append("glibc keeps freed memory")
         if applied:
             rank_zero_info(

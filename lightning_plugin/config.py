@@ -150,6 +150,10 @@ class CompileConfig:
             return frozenset(KNOWN_KERNELS) if device.type == "cuda" else frozenset()
         return self._kernel_names
 
+    def tunes_cpu(self, device: torch.device) -> bool:
+        """Whether the CPU training settings (``tune_cpu``) apply on ``device``."""
+        return self.tune_cpu and torch.device(device).type == "cpu"
+
     def compile_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.compile`` (without the backend, which the strategy wraps)."""
         return {"fullgraph": self.fullgraph, "dynamic": self.dynamic}

@@ -50,17 +50,14 @@ class TorchCompile(Callback):
                 "compiles the module. Remove the callback, or pass the settings to the strategy instead."
             )
         device = trainer.strategy.root_device
-        if self._tunes_cpu(device):
+        if self._compiler.config.tunes_cpu(device):
             retain_freed_memory()
         self._compiler.compile(pl_module, device)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tunes_cpu(trainer.strategy.root_device):
+        if self._compiler.config.tunes_cpu(trainer.strategy.root_device):
             fuse_optimizer_steps(trainer.optimizers, pl_module)
-
-    def _tunes_cpu(self, device: Any) -> bool:
-        return self._compiler.config.tune_cpu and device.type == "cpu"
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -105,7 +105,7 @@ class _Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _fit(strategy, tmp_path, max_steps: int, ckpt_path=None) -> _Module:
+def _fit(strategy, tmp_path, max_steps: int, ckpt_path=None, callbacks=()) -> _Module:
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(8, 3, 6, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
@@ -115,6 +115,7 @@ def _fit(strategy, tmp_path, max_steps: int, ckpt_path=None) -> _Module:
         accelerator="cpu",
         devices=1,
         strategy=strategy,
+        callbacks=list(callbacks),
         max_steps=max_steps,
         logger=False,
         default_root_dir=tmp_path,
@@ -159,20 +160,5 @@ def test_tune_cpu_false_keeps_the_modules_optimizer(tmp_path, caplog):
 def test_the_torch_compile_callback_fuses_the_step_too(tmp_path):
     from lightning_plugin.callbacks import TorchCompile
 
-    g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(
-        torch.randn(4, 3, 6, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
-    )
-    module = _Module()
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=[TorchCompile(backend="eager")],
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    ).fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    module = _fit("auto", tmp_path, max_steps=1, callbacks=[TorchCompile(backend="eager")])
     assert module.fused_at_step == [True]
