@@ -203,20 +203,25 @@ def steps(data_zip: str | None = None) -> list[Step]:
         ),
         Step(
             "loader",
-            ["benchmarks/loader.py", "--cifar-images", "50000", "--jpeg-images", "2048", "--repeats", "3"],
-            45,
+            ["benchmarks/loader.py", "--gpu-only", "--repeats", "5"],
+            120,
             [
                 "benchmarks/loader.py",
-                "--cifar-images",
+                "--gpu-only",
+                "--device-rows-on",
+                "cpu",
+                "--gpu-cifar-images",
                 "128",
-                "--jpeg-images",
-                "8",
+                "--gpu-rrc-images",
+                "4",
+                "--gpu-cifar-batches",
+                "32",
+                "--gpu-rrc-batches",
+                "2",
+                "--gpu-per-sample-images",
+                "4",
                 "--repeats",
                 "1",
-                "--batch-size",
-                "64",
-                "--jpeg-batch-size",
-                "8",
                 "--case-seconds",
                 "1",
             ],
@@ -418,7 +423,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", nargs="*", help="run only these steps")
+    parser.add_argument("--only", nargs="*", help="run only these steps, in the order given")
     parser.add_argument("--list", action="store_true", help="list the steps, their caps and commands")
     parser.add_argument(
         "--budget",
@@ -444,7 +449,8 @@ def main() -> None:
         unknown = sorted(set(args.only) - set(known))
         if unknown:
             parser.error(f"unknown step(s) {unknown}; steps: {known}")
-        all_steps = [s for s in all_steps if s.name in args.only]
+        by_name = {s.name: s for s in all_steps}
+        all_steps = [by_name[name] for name in dict.fromkeys(args.only)]
     if args.list:
         print_table(
             [{"step": s.name, "cap_s": s.cap_s, "command": " ".join(s.argv)} for s in all_steps],

@@ -84,10 +84,13 @@ def decode_all(blobs: list[bytes]) -> np.ndarray:
     )
 
 
-def alternate(sides: dict[str, Callable[[], int]], repeats: int) -> dict[str, list[float]]:
+def alternate(
+    sides: dict[str, Callable[[], int]], repeats: int, warm_up: bool = True
+) -> dict[str, list[float]]:
     """img/s of each side, ``repeats`` times, the sides interleaved; one untimed warm-up pass each."""
-    for run in sides.values():
-        run()
+    if warm_up:
+        for run in sides.values():
+            run()
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, run in sides.items():
@@ -303,19 +306,20 @@ def kornia_jpeg_side(blobs: list[bytes], aug, batch_size: int) -> Callable[[], i
 
 
 # ------------------------------------------------------------------------------------------- ours
-def ours_cifar():
+def ours_cifar(compile: bool = True):
     """Our batched equivalent of ``alb_cifar()``, built without albumentations (tests check they agree)."""
     from vision.data import HorizontalFlip, Normalize, Pipeline, RandomCrop
 
-    return Pipeline([RandomCrop(32, 4, "reflect"), HorizontalFlip(), Normalize(MEAN, STD)])
+    return Pipeline([RandomCrop(32, 4, "reflect"), HorizontalFlip(), Normalize(MEAN, STD)], compile=compile)
 
 
-def ours_imagenet():
+def ours_imagenet(compile: bool = True):
     """Our batched equivalent of ``alb_imagenet()``, built without albumentations."""
     from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
 
     return Pipeline(
-        [RandomResizedCrop(224), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()]
+        [RandomResizedCrop(224), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()],
+        compile=compile,
     )
 
 
@@ -429,8 +433,29 @@ def main() -> None:
         action="store_true",
         help="also report single-thread CPU time per image of the augmentation alone",
     )
+    ap.add_argument("--gpu-only", action="store_true", help="only the GPU rows (the CPU sides are skipped)")
+    ap.add_argument(
+        "--gpu-cifar-images", type=int, default=50_000, help="GPU: images in the CIFAR-size store"
+    )
+    ap.add_argument("--gpu-rrc-images", type=int, default=4096, help="GPU: images in the 256 x 256 store")
+    ap.add_argument(
+        "--gpu-cifar-batches", type=int, nargs="+", default=[512, 8192], help="GPU: our batch sizes"
+    )
+    ap.add_argument(
+        "--gpu-rrc-batches", type=int, nargs="+", default=[256, 1024], help="GPU: our batch sizes"
+    )
+    ap.add_argument(
+        "--gpu-per-sample-images", type=int, default=1024, help="GPU: images per torchvision v2 pass"
+    )
+    ap.add_argument(
+        "--device-rows-on",
+        default=None,
+        help="run the GPU rows on this device instead (e.g. 'cpu', to try the GPU code on tiny sizes)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.gpu_only:
+        args.skip_cifar, args.jpeg_size, args.cpu_time = True, [], False
 
     src = "real CIFAR-10 JPEGs" if os.path.exists(ZIP) else "synthetic JPEGs (shared zip not found)"
     print(
@@ -492,20 +517,21 @@ def main() -> None:
             sides["kornia"] = kornia_jpeg_side(blobs, kornia_imagenet(), args.jpeg_batch_size)
         record(name, alternate(sides, args.repeats))
     rows = stream.rows
-    print_table(
-        rows,
-        [
-            "pipeline",
-            "ours_img_s",
-            "albumentations_img_s",
-            "vs_alb",
-            "vs_alb_range",
-            "torchvision_img_s",
-            "vs_tv",
-            "kornia_img_s",
-            "vs_kornia",
-        ],
-    )
+    if rows:
+        print_table(
+            rows,
+            [
+                "pipeline",
+                "ours_img_s",
+                "albumentations_img_s",
+                "vs_alb",
+                "vs_alb_range",
+                "torchvision_img_s",
+                "vs_tv",
+                "kornia_img_s",
+                "vs_kornia",
+            ],
+        )
     payload = {"args": vars(args), "data": src, "rows": rows}
     if args.cpu_time and not no_alb:
         cpu_rows = cpu_time_rows(args)
@@ -525,81 +551,184 @@ def main() -> None:
         )
         payload["cpu_time_rows"] = cpu_rows
 
-    if not torch.cuda.is_available():
+    device = args.device_rows_on or ("cuda" if torch.cuda.is_available() else None)
+    if device is None:
         print("GPU: not measured on GPU (no CUDA device on this machine)")
-        print(f"wrote {write_results('loader-cpu', payload)}")
+        if not args.gpu_only:
+            print(f"wrote {write_results('loader-cpu', payload)}")
         return
-    gpu_rows = gpu_measurements(args, stream)
-    print_table(gpu_rows, ["pipeline", "side", "img_s"])
+    gpu_rows = gpu_measurements(args, stream, device)
+    print_table(gpu_rows, ["pipeline", "side", "img_s", "epoch_50k_ms", "of_copy_bandwidth", "ms_per_batch"])
     payload["gpu_rows"] = gpu_rows
-    print(f"wrote {write_results('loader-gpu', payload)}")
+    name = "loader-gpu" if device.startswith("cuda") else f"loader-{device}-rows"
+    print(f"wrote {write_results(name, payload)}")
 
 
-def gpu_measurements(args, stream: ResultStream) -> list[dict]:
-    """Ours on CUDA (data resident), torchvision v2 per sample, kornia batched (if installed)."""
-    import torchvision.transforms.v2 as T
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes moved per second (read plus written) by a device-to-device copy: the ceiling of a pass."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times)
+
+
+def device_ours_side(store: torch.Tensor, pipeline, batch_size: int) -> Callable[[], int]:
+    """Our loader over a store resident on its device (an epoch in shuffled batches), synchronised at the
+    end."""
+    from vision.data import DeviceLoader
+
+    device = str(store.device)
+    loader = DeviceLoader(
+        store, torch.zeros(len(store), dtype=torch.long), batch_size, pipeline, device=device, resident=True
+    )
+
+    def run() -> int:
+        n = count(loader)
+        synchronize(device)
+        return n
+
+    return run
+
+
+def device_torchvision_side(store: torch.Tensor, transform, n: int) -> Callable[[], int]:
+    """torchvision v2 per sample on device tensors (its way to use a GPU: it has no batched random ops)."""
+
+    def run() -> int:
+        order = torch.randperm(len(store))[:n].tolist()
+        for i in order:
+            transform(store[i])
+        synchronize(str(store.device))
+        return n
+
+    return run
+
+
+def device_kornia_side(store: torch.Tensor, aug, batch_size: int) -> Callable[[], int]:
+    """kornia batched on the resident store (float 0..1, as it wants), shuffled batches."""
+
+    def run() -> int:
+        order = torch.randperm(len(store), device=store.device)
+        with torch.no_grad():
+            for s in range(0, len(store), batch_size):
+                aug(store[order[s : s + batch_size]].float().div_(255))
+        synchronize(str(store.device))
+        return len(store)
+
+    return run
+
+
+def params_ms(pipeline, batch: int, store: torch.Tensor, repeats: int = 20) -> float:
+    """Milliseconds per batch our loader spends drawing the parameters and making the tables (on the CPU,
+    the tables of a resample on the device), the part of a batch that does not scale with the GPU."""
+    g = torch.Generator().manual_seed(0)
+    device = store.device
+    shape = tuple(store.shape)
+    times = []
+    for _ in range(repeats + 3):
+        index = torch.randperm(shape[0])[:batch]
+        t = time.perf_counter()
+        params = pipeline.sample(batch, shape[-2], shape[-1], g)
+        pipeline._prepare(params, shape, batch, index, device)
+        synchronize(str(device))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[3:]) * 1e3
+
+
+def gpu_measurements(args, stream: ResultStream, device: str = "cuda") -> list[dict]:
+    """Every side on the GPU, on a uint8 store resident there (random pixels: the values do not change the
+    work).  Ours compiled at two batch sizes and eager; torchvision v2 per sample; kornia batched (when
+    installed).  Each rate also as the fraction of the copy bandwidth it reaches, counting each image's uint8
+    read once and its float32 output written once (the least any pipeline must move)."""
     rows = stream.rows
     start = len(rows)
-    hwc = decode_all(load_jpegs(args.cifar_images, 0))
-    images = torch.from_numpy(hwc).permute(0, 3, 1, 2).contiguous()
-    rate = alternate({"ours": ours_side(images, ours_cifar(), args.batch_size, device="cuda")}, args.repeats)
-    stream.add(
-        {"pipeline": "cifar", "side": "ours cuda (resident)", "img_s": round(statistics.median(rate["ours"]))}
-    )
-    big = torch.nn.functional.interpolate(images[: args.jpeg_images * 4].float(), size=256).round().byte()
-    rate = alternate({"ours": ours_side(big, ours_imagenet(), 256, device="cuda")}, args.repeats)
-    stream.add(
-        {
-            "pipeline": "imagenet-style from uint8 256x256",
-            "side": "ours cuda (resident)",
-            "img_s": round(statistics.median(rate["ours"])),
-        }
-    )
-    tv = T.Compose(
-        [
-            T.RandomResizedCrop(224),
-            T.RandomHorizontalFlip(),
-            T.ColorJitter(0.4, 0.4, 0.4, 0.1),
-            T.ToDtype(torch.float32, scale=True),
-            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-        ]
-    )
-    dev_imgs = big.cuda()
-
-    def tv_run() -> int:
-        for i in range(len(dev_imgs)):
-            tv(dev_imgs[i])
-        torch.cuda.synchronize()
-        return len(dev_imgs)
-
-    rate = alternate({"tv": tv_run}, args.repeats)
-    stream.add(
-        {
-            "pipeline": "imagenet-style from uint8 256x256",
-            "side": "torchvision v2 per sample",
-            "img_s": round(statistics.median(rate["tv"])),
-        }
-    )
-    if kornia_missing():
-        stream.skip("kornia batched", kornia_missing())
-        return rows[start:]
-    aug = kornia_imagenet("cuda")
-
-    def k_run() -> int:
-        for s in range(0, len(dev_imgs), 256):
-            aug(dev_imgs[s : s + 256].float() / 255)
-        torch.cuda.synchronize()
-        return len(dev_imgs)
-
-    rate = alternate({"kornia": k_run}, args.repeats)
-    stream.add(
-        {
-            "pipeline": "imagenet-style from uint8 256x256",
-            "side": "kornia batched",
-            "img_s": round(statistics.median(rate["kornia"])),
-        }
-    )
+    bandwidth = copy_bandwidth(device)
+    print(f"GPU copy bandwidth (device to device, read + written): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    no_kornia = kornia_missing()
+    if no_kornia:
+        stream.skip("kornia side (GPU)", no_kornia)
+    cases = [
+        (
+            "cifar pad-crop+flip+normalize",
+            args.gpu_cifar_images,
+            32,
+            32,
+            ours_cifar,
+            tv_cifar,
+            kornia_cifar,
+            args.gpu_cifar_batches,
+        ),
+        (
+            "imagenet-style RRC224+flip+jitter+normalize (uint8 256x256)",
+            args.gpu_rrc_images,
+            256,
+            224,
+            ours_imagenet,
+            tv_imagenet,
+            kornia_imagenet,
+            args.gpu_rrc_batches,
+        ),
+    ]
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, n, size, out_size, ours, tv, kornia, batches in cases:
+        if out_of_time(args.case_seconds):
+            stream.skip(f"{name} (GPU)", "deadline reached")
+            continue
+        store = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, device=device, generator=g)
+        store = store.contiguous(memory_format=torch.channels_last)
+        moved = 3 * size * size + 3 * out_size * out_size * 4
+        sides = {f"ours compiled, batch {b}": device_ours_side(store, ours(), b) for b in batches}
+        sides[f"ours eager, batch {batches[0]}"] = device_ours_side(store, ours(compile=False), batches[0])
+        sides["torchvision v2 per sample"] = device_torchvision_side(
+            store, tv(), min(n, args.gpu_per_sample_images)
+        )
+        if not no_kornia:
+            sides[f"kornia batched, batch {batches[0]}"] = device_kornia_side(
+                store, kornia(device), batches[0]
+            )
+        for side, run in list(sides.items()):  # the warm-up pass; a side that fails is reported, not fatal
+            try:
+                run()
+            except Exception as err:  # noqa: BLE001 - one side's failure must not lose the others' numbers
+                stream.skip(f"{name}: {side} (GPU)", f"failed: {type(err).__name__}: {err}")
+                del sides[side]
+        rates = alternate(sides, args.repeats, warm_up=False)
+        for side, rate in rates.items():
+            img_s = statistics.median(rate)
+            stream.add(
+                {
+                    "pipeline": name,
+                    "device": device,
+                    "side": side,
+                    "img_s": round(img_s),
+                    "epoch_50k_ms": round(50_000 / img_s * 1e3, 1),
+                    "of_copy_bandwidth": round(img_s * moved / bandwidth, 4),
+                }
+            )
+        for b in batches:
+            stream.add(
+                {
+                    "pipeline": name,
+                    "device": device,
+                    "side": f"ours: parameters and tables, batch {b}",
+                    "ms_per_batch": round(params_ms(ours(), b, store), 3),
+                }
+            )
+        del store, sides
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows[start:]
 
 

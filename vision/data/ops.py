@@ -111,6 +111,10 @@ class BatchOp:
     fold_key: str | None = None
     #: False for ops whose ``apply`` cannot be traced by ``torch.compile`` (Python loops over samples).
     compilable: bool = True
+    #: True for ops whose ``prepare`` builds its tables on the device its params are on (element-wise
+    #: arithmetic that gives the same tables everywhere): on a GPU the pipeline hands it the params there,
+    #: so only the per-sample params cross from the CPU, not the larger tables, nor the CPU time to make them.
+    prepares_on_device: bool = False
 
     def sample(self, n: int, height: Any, width: Any, generator: torch.Generator) -> Params:
         """Draw the parameters for ``n`` samples of size ``height`` x ``width`` (ints, or (N,) tensors)."""

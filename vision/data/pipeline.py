@@ -177,6 +177,8 @@ class Pipeline:
             merged = dict(params[step[0]])
             for j in step[1:]:
                 merged.update(self.ops[j].fold_as(params[j]))
+            if op.prepares_on_device:
+                merged = _params_to(merged, device)
             prepared.append(
                 _params_to(op.prepare(merged, shape, index_cpu if not prepared else None), device)
             )

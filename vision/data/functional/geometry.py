@@ -145,13 +145,16 @@ def resample_axis(
     ``[start, start + length - 1]`` so no pixel outside it is read; ``i1`` is kept below ``limit`` (the
     canvas side).  ``flip`` reverses the chosen samples' taps (a mirrored output, for free).
     """
-    n = start.shape[0]
+    n, device = start.shape[0], start.device
     start = start.to(torch.float32).view(n, 1)
     length = length.to(torch.float32).view(n, 1)
-    pos = (torch.arange(out_size, dtype=torch.float32).view(1, out_size) + 0.5) * (length / out_size) - 0.5
+    # A tensor divisor: CUDA divides by a Python number as a multiplication by its reciprocal, which rounds
+    # differently from the CPU's division (the tables must be the same on every device).
+    scale = length / torch.full_like(length, out_size)
+    pos = (torch.arange(out_size, dtype=torch.float32, device=device).view(1, out_size) + 0.5) * scale - 0.5
     pos = start + torch.minimum(pos.clamp_min(0), length - 1)
     if flip is not None:
-        pos = torch.where(flip.view(n, 1), pos.flip(1), pos)
+        pos = torch.where(flip.to(device).view(n, 1), pos.flip(1), pos)
     i0 = pos.floor()
     weight = pos - i0
     i0 = i0.long().clamp(0, limit - 1)
