@@ -51,7 +51,9 @@ def _git_commit() -> str | None:
 
 
 #: The commit when the benchmark process started: a long run must not be credited to a later commit.
-_COMMIT_AT_START = _git_commit() or os.environ.get(COMMIT_ENV) or None
+#: ``LCV_COMMIT`` wins when set: a copied tree can carry a stale ``.git`` (a lent GPU machine's copy did,
+#: naming the session's first commit with "-dirty").
+_COMMIT_AT_START = os.environ.get(COMMIT_ENV) or _git_commit() or None
 _STARTED = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 

@@ -170,8 +170,21 @@ def steps(data_zip: str | None = None) -> list[Step]:
         ),
         Step(
             "gpu_tests",
-            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests", "--timeout", "120"],
-            60,
+            [
+                "-m",
+                "pytest",
+                "-v",  # each test's name as it ends: a step cut short still says how far it got
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "gpu",
+                "tests",
+                "--timeout",
+                "120",
+                "--durations",
+                "10",
+            ],
+            150,
             ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"],
         ),
         Step(
@@ -203,7 +216,7 @@ def steps(data_zip: str | None = None) -> list[Step]:
         ),
         Step(
             "loader",
-            ["benchmarks/loader.py", "--gpu-only", "--repeats", "5"],
+            ["benchmarks/loader.py", "--gpu-only", "--repeats", "5", "--profile"],
             120,
             [
                 "benchmarks/loader.py",

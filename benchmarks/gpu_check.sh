@@ -7,8 +7,8 @@
 #   LCV_COMMIT=<commit> bash benchmarks/gpu_check.sh              # all steps
 #   LCV_COMMIT=<commit> bash benchmarks/gpu_check.sh --only correctness conv
 #
-# LCV_COMMIT names the commit in every result file when the copy has no .git (a lent machine gets a bare
-# working tree). Optional inputs, both in .gitignore, to carry along:
+# LCV_COMMIT names the commit in every result file (a lent machine's copy may have no .git, or a stale one).
+# Optional inputs, both in .gitignore, to carry along:
 #   .device_data/cifar10-jpeg.npz  the CIFAR-10 JPEGs for the time-to-94% step, made here by
 #                  python benchmarks/device_data.py pack ../shared/data/cifar10-jpeg.zip .device_data/cifar10-jpeg.npz
 #                  (17.7 MiB; the zip itself is 59.3 MiB). Without it that step is skipped with the reason.

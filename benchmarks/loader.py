@@ -439,14 +439,15 @@ def main() -> None:
     )
     ap.add_argument("--gpu-rrc-images", type=int, default=4096, help="GPU: images in the 256 x 256 store")
     ap.add_argument(
-        "--gpu-cifar-batches", type=int, nargs="+", default=[512, 8192], help="GPU: our batch sizes"
+        "--gpu-cifar-batches", type=int, nargs="+", default=[512, 8192, 25000], help="GPU: our batch sizes"
     )
     ap.add_argument(
-        "--gpu-rrc-batches", type=int, nargs="+", default=[256, 1024], help="GPU: our batch sizes"
+        "--gpu-rrc-batches", type=int, nargs="+", default=[256, 1024, 4096], help="GPU: our batch sizes"
     )
     ap.add_argument(
         "--gpu-per-sample-images", type=int, default=1024, help="GPU: images per torchvision v2 pass"
     )
+    ap.add_argument("--profile", action="store_true", help="GPU rows: also print a profile of our batches")
     ap.add_argument(
         "--device-rows-on",
         default=None,
@@ -647,6 +648,24 @@ def params_ms(pipeline, batch: int, store: torch.Tensor, repeats: int = 20) -> f
     return statistics.median(times[3:]) * 1e3
 
 
+def profile_batches(store: torch.Tensor, pipeline, batch: int, name: str, batches: int = 3) -> None:
+    """Print where a few batches of our compiled loader spend their time: the device's kernels and the CPU's
+    own time per op (the rates above say how fast; this says what to work on)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = str(store.device)
+    run = device_ours_side(store[: batch * batches], pipeline, batch)
+    run()  # compiled and warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        run()
+    events = prof.key_averages()
+    print(f"\nprofile: {name}, {batches} batches of {batch} on {device}", flush=True)
+    if device.startswith("cuda"):
+        print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+
+
 def gpu_measurements(args, stream: ResultStream, device: str = "cuda") -> list[dict]:
     """Every side on the GPU, on a uint8 store resident there (random pixels: the values do not change the
     work).  Ours compiled at two batch sizes and eager; torchvision v2 per sample; kornia batched (when
@@ -717,6 +736,8 @@ def gpu_measurements(args, stream: ResultStream, device: str = "cuda") -> list[d
                     "of_copy_bandwidth": round(img_s * moved / bandwidth, 4),
                 }
             )
+        if args.profile:
+            profile_batches(store, ours(), batches[-1], name)
         for b in batches:
             stream.add(
                 {

@@ -180,6 +180,36 @@ def test_commit_is_taken_from_the_environment_in_a_copy_without_git(tmp_path):
     assert out.strip() == "abc1234"
 
 
+def test_commit_from_the_environment_wins_over_a_stale_git_in_the_copy(tmp_path):
+    """The lent GPU machine's copy carried a .git at an older commit: its results were labelled with it."""
+    copy = tmp_path / "benchmarks"
+    copy.mkdir()
+    with open(os.path.join(ROOT, "benchmarks", "_common.py")) as f:
+        (copy / "_common.py").write_text(f.read())
+    git = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "old"]):
+        subprocess.run(cmd, cwd=tmp_path, env=git, check=True)
+    code = "import _common; print(_common.machine_info()['commit'])"
+    stale = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=copy, check=True
+    ).stdout.strip()
+    named = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=copy,
+        env={**os.environ, "LCV_COMMIT": "abc1234"},
+        check=True,
+    ).stdout.strip()
+    assert stale != "abc1234" and named == "abc1234"
+
+
 def test_gpu_tests_collect_where_optional_packages_are_missing(tmp_path):
     """The GPU image has no albumentations, jsonargparse or airbench: collection must skip, never stop."""
     for name in ("albumentations", "jsonargparse", "airbench"):

@@ -87,6 +87,7 @@ class _Crop(BatchOp):
 
     fuses_gather = True
     folds = frozenset({FLIP_AFTER})
+    prepares_on_device = True
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
     padding_mode: PaddingMode = "constant"
     fill: float = 0.0
@@ -106,13 +107,13 @@ class _Crop(BatchOp):
         top, left = self._offsets(params, n, height, width)
         flip = _flip(params)
         tables = crop_tables(
-            top.cpu(),
-            left.cpu(),
+            top,
+            left,
             self._crop_size(height, width),
             (height, width),
             self._padding_for(height, width),
             self.padding_mode,
-            None if flip is None else flip.cpu(),
+            flip,
         )
         return {**params, **tables}
 
@@ -235,7 +236,8 @@ class AlternatingFlipCrop(RandomCrop):
 
     def prepare(self, params: Params, shape: Sequence[int], index: Tensor | None = None) -> Params:
         if index is not None:
-            flip = self.image_bits(int(shape[0]))[index.cpu()] ^ params["odd_epoch"].cpu()
+            odd_epoch = params["odd_epoch"]
+            flip = self.image_bits(int(shape[0]))[index.cpu()].to(odd_epoch.device) ^ odd_epoch
         else:
             if not self._warned:
                 warnings.warn(

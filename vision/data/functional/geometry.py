@@ -45,6 +45,19 @@ def map_border(idx: np.ndarray, size: int, mode: str) -> tuple[np.ndarray, np.nd
     return np.where(idx >= size, period - 1 - idx, idx), None
 
 
+@functools.lru_cache(maxsize=256)
+def _border_lookup(
+    length: int, before: int, after: int, mode: str, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """Source index of every position of an axis padded by ``before``/``after`` (and, for ``constant``, whether
+    it is inside the image), on ``device``: a few dozen entries, made once per size."""
+    mapped, inside = map_border(np.arange(-before, length + after), length, mode)
+    return (
+        torch.from_numpy(mapped).to(device),
+        None if inside is None else torch.from_numpy(inside).to(device),
+    )
+
+
 def crop_tables(
     top: Tensor,
     left: Tensor,
@@ -58,25 +71,28 @@ def crop_tables(
     padded by ``padding`` = (left, top, right, bottom); ``flip`` (N,) bool mirrors the chosen crops.
 
     For ``constant`` padding also ``row_ok``/``col_ok``, the masks of rows and columns inside the image.
-    Built with numpy: a few small arrays per batch, where torch's per-op overhead would dominate.
+    Made on the device of ``top`` (a GPU then gets only the offsets from the CPU), as lookups into the padded
+    axes' source indices.
     """
     (ch, cw), (height, width) = size, image_size
-    # Positions in the padded frame, mapped through a lookup of the frame's few columns and rows.
-    rows = top.numpy().astype(np.int64)[:, None] + np.arange(ch)[None, :]
-    cols = left.numpy().astype(np.int64)[:, None] + np.arange(cw)[None, :]
-    if flip is not None:
-        cols = np.where(flip.numpy()[:, None], cols[:, ::-1], cols)
-    row_map, row_in = map_border(np.arange(-padding[1], height + padding[3]), height, padding_mode)
-    col_map, col_in = map_border(np.arange(-padding[0], width + padding[2]), width, padding_mode)
-    row_ok = None if row_in is None else row_in[rows]
-    col_ok = None if col_in is None else col_in[cols]
-    rows, cols = row_map[rows], col_map[cols]
-    tables = {
-        "rows": torch.from_numpy(np.ascontiguousarray(rows)),
-        "cols": torch.from_numpy(np.ascontiguousarray(cols)),
-    }
-    if row_ok is not None and col_ok is not None:
-        tables.update(row_ok=torch.from_numpy(row_ok), col_ok=torch.from_numpy(col_ok))
+    n, device = top.shape[0], top.device
+    rows = top.long().view(n, 1) + torch.arange(ch, device=device)  # positions in the padded frame
+    if flip is None:
+        cols = left.long().view(n, 1) + torch.arange(cw, device=device)
+    else:  # a mirrored crop walks its columns backwards from its right edge
+        mirrored = flip.to(device).long().view(n, 1)
+        cols = (left.long().view(n, 1) + mirrored * (cw - 1)) + (1 - 2 * mirrored) * torch.arange(
+            cw, device=device
+        )
+    row_map, row_in = _border_lookup(height, padding[1], padding[3], padding_mode, device)
+    col_map, col_in = _border_lookup(width, padding[0], padding[2], padding_mode, device)
+
+    def look_up(table: Tensor, at: Tensor) -> Tensor:
+        return table.index_select(0, at.view(-1)).view(at.shape)
+
+    tables = {"rows": look_up(row_map, rows), "cols": look_up(col_map, cols)}
+    if row_in is not None and col_in is not None:
+        tables.update(row_ok=look_up(row_in, rows), col_ok=look_up(col_in, cols))
     return tables
 
 
@@ -124,15 +140,14 @@ def crop_with_padding(
     out of a larger ``images`` store in the same gather.  The output keeps the input dtype.
     """
     tables = crop_tables(
-        top.cpu(),
-        left.cpu(),
+        top.to(images.device),
+        left.to(images.device),
         size,
         (int(images.shape[-2]), int(images.shape[-1])),
         padding,
         padding_mode,
-        None if flip is None else flip.cpu(),
+        flip,
     )
-    tables = {k: v.to(images.device) for k, v in tables.items()}
     return gather_crop(images, tables, fill, None if index is None else index.to(images.device))
 
 
