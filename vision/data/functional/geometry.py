@@ -49,8 +49,8 @@ def map_border(idx: np.ndarray, size: int, mode: str) -> tuple[np.ndarray, np.nd
 def _border_lookup(
     length: int, before: int, after: int, mode: str, device: torch.device
 ) -> tuple[Tensor, Tensor | None]:
-    """Source index of every position of an axis padded by ``before``/``after`` (and, for ``constant``, whether
-    it is inside the image), on ``device``: a few dozen entries, made once per size."""
+    """Source index of every position of an axis padded by ``before``/``after`` (and, for ``constant``,
+    whether it is inside the image), on ``device``: a few dozen entries, made once per size."""
     mapped, inside = map_border(np.arange(-before, length + after), length, mode)
     return (
         torch.from_numpy(mapped).to(device),
