@@ -16,6 +16,9 @@ the minor page faults per step are counted for each variant.
 
     python benchmarks/cpu_tuning.py                                  # resnet18, mobilenet_v3_small, small_cnn
     python benchmarks/cpu_tuning.py --workloads digits --repeats 5  # the digits-small network on real digits
+    python benchmarks/cpu_tuning.py --workloads digits --precisions fp32,bf16  # and under bf16 autocast
+
+``x eager`` is against the fp32 eager step of the same process.
 """
 
 from __future__ import annotations
@@ -65,25 +68,30 @@ def _model_and_batch(workload: str) -> tuple[torch.nn.Module, torch.Tensor, torc
     return w.build(), torch.randn(w.batch, 3, w.size, w.size, generator=g), torch.randint(0, 10, (w.batch,))
 
 
-def measure_in_this_process(workload: str, steps: int, repeats: int) -> dict[str, Any]:
+def measure_in_this_process(
+    workload: str, steps: int, repeats: int, precisions: tuple[str, ...] = ("fp32",)
+) -> dict[str, Any]:
     torch.manual_seed(0)
     base, x, y = _model_and_batch(workload)
     runs = {}
-    for name, variant in VARIANTS.items():
-        model = copy.deepcopy(base)
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=0.01, momentum=0.9, fused=True if variant.get("fused") else None
-        )
-        forward = torch.compile(model, options=variant["options"]) if "options" in variant else model
-        runs[name] = (forward, optimizer)
+    for precision in precisions:
+        for name, variant in VARIANTS.items():
+            model = copy.deepcopy(base)
+            optimizer = torch.optim.SGD(
+                model.parameters(), lr=0.01, momentum=0.9, fused=True if variant.get("fused") else None
+            )
+            forward = torch.compile(model, options=variant["options"]) if "options" in variant else model
+            label = name if precision == "fp32" else f"{name} {precision}"
+            runs[label] = (forward, optimizer, precision == "bf16")
 
     def run(name: str, n: int) -> tuple[list[float], int]:
-        forward, optimizer = runs[name]
+        forward, optimizer, bf16 = runs[name]
         times = []
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(n):
             start = time.perf_counter()
-            loss = F.cross_entropy(forward(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # Lightning's "bf16-mixed"
+                loss = F.cross_entropy(forward(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -109,12 +117,20 @@ def main() -> None:
     parser.add_argument("--workloads", default="resnet18,mobilenet_v3_small,small_cnn")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--precisions",
+        default="fp32",
+        help="comma-separated: fp32 and/or bf16 (autocast, Lightning's bf16-mixed); every variant in each",
+    )
     parser.add_argument("--child", choices=("default", "kept"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    precisions = tuple(p for p in args.precisions.split(",") if p)
+    if not precisions or set(precisions) - {"fp32", "bf16"}:
+        parser.error(f"--precisions takes fp32 and/or bf16, got {args.precisions!r}")
     if args.steps < 4:
         parser.error("--steps must be at least 4 (the first 2 of each round are not timed)")
 
@@ -122,7 +138,7 @@ def main() -> None:
         if args.child == "kept" and not retain_freed_memory():
             print(json.dumps(None))
             return
-        print(json.dumps(measure_in_this_process(workloads[0], args.steps, args.repeats)))
+        print(json.dumps(measure_in_this_process(workloads[0], args.steps, args.repeats, precisions)))
         return
 
     print(
@@ -132,7 +148,14 @@ def main() -> None:
     for workload in workloads:
         for memory in ("default", "kept"):
             cmd = [sys.executable, os.path.abspath(__file__), "--workloads", workload, "--child", memory]
-            cmd += ["--steps", str(args.steps), "--repeats", str(args.repeats)]
+            cmd += [
+                "--steps",
+                str(args.steps),
+                "--repeats",
+                str(args.repeats),
+                "--precisions",
+                args.precisions,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
             if result is None:
@@ -150,7 +173,8 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    path = write_results("cpu_tuning", {"args": vars(args), "results": rows})
+    name = "cpu_tuning" if precisions == ("fp32",) else f"cpu_tuning-{'-'.join(precisions)}"
+    path = write_results(name, {"args": vars(args), "results": rows})
     print(f"results written to {path}")
     print_table(rows, ["workload", "glibc memory", "variant", "ms/step", "x eager", "faults/step"])
 

@@ -15,10 +15,16 @@ The sides alternate (one pass each, in turn, ``--repeats`` times) so that load f
 alike; each figure is the median of the timed passes after a warm-up pass (which includes our compile), and
 each ratio is the median of the per-repeat ratios.  ``--cpu-time`` adds the single-thread CPU time per image
 of the augmentation alone (no loader, no decode): albumentations, ours eager and ours compiled; thread CPU
-time barely moves when other processes share the cores.  GPU rows (ours on CUDA, torchvision v2 per sample,
-kornia) run only when CUDA is available; otherwise "not measured on GPU".
+time barely moves when other processes share the cores.
+
+GPU rows run when CUDA is available (otherwise "not measured on GPU"), every side on a uint8 store resident
+there: ours compiled at several batch sizes and eager, torchvision v2 per sample, kornia batched; each rate
+also as a fraction of the device-to-device copy bandwidth measured in the same run, and the CPU time per batch
+of our parameters and tables.  ``--gpu-only`` skips the CPU sides; ``--profile`` prints the kernels and CPU ops
+of a few of our batches; ``--device-rows-on cpu`` runs the same code on the CPU (tiny sizes: a dry run).
 
     python benchmarks/loader.py --cifar-images 8192 --jpeg-images 256 --repeats 5 --jpeg-size 0 256 --cpu-time
+    python benchmarks/loader.py --gpu-only --repeats 5 --profile     # on a GPU machine
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ the first left behind (warm).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -181,7 +183,12 @@ def _sync() -> None:
 
 
 def _trainer(strategy: Any, timer: BatchTimer, **kwargs: Any) -> L.Trainer:
+    # A folder of its own per fit: the strategy's compile cache file goes to default_root_dir and is loaded
+    # from there, so the working folder would collect it and make the next run's "cold" compiles warm.
+    run_dir = tempfile.mkdtemp(prefix="lcv-strategy-overhead-")
+    atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
     return L.Trainer(
+        default_root_dir=run_dir,
         accelerator="auto",
         devices=1,
         strategy=strategy,

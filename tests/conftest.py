@@ -47,6 +47,20 @@ def _private_decision_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LCV_KERNEL_CACHE_DIR", str(tmp_path_factory.mktemp("lcv_decisions")))
 
 
+#: What a run writes into its working folder by default; a test that leaves one in the repository has
+#: forgotten ``default_root_dir`` (a user's clone must not collect our tests' artefacts).
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN_ARTEFACTS = ("torch_compile_cache.bin", "checkpoints", "lightning_logs", "runs")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_written_into_the_repository():
+    before = {name for name in _RUN_ARTEFACTS if os.path.exists(os.path.join(_REPOSITORY, name))}
+    yield
+    after = {name for name in _RUN_ARTEFACTS if os.path.exists(os.path.join(_REPOSITORY, name))}
+    assert not after - before, f"the test wrote {sorted(after - before)} into the repository root"
+
+
 SHARED_CIFAR_ZIP = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip")
 
 
