@@ -71,12 +71,25 @@ def _own_code(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+#: Inductor options for graphs that run on the CPU.  Inductor's C++ wrapper releases the GIL while its
+#: kernels run; with the default Python wrapper a kernel holds it, and the pipeline's worker threads (see
+#: ``Pipeline._map_rows``) took turns: a 2-thread pool augmented no faster than one thread.
+CPU_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
+
+
 class CompiledOps:
     """A :func:`ops_runner` compiled on its first call, with the batch dimension dynamic."""
 
-    def __init__(self, run: RunOps):
+    def __init__(self, run: RunOps, device: torch.device | None = None):
         name = f"vision_data_pipeline_{next(_ids)}"
-        self._compiled = torch.compile(_own_code(run, name), backend=BACKEND, dynamic=False, fullgraph=True)
+        options = (
+            dict(CPU_OPTIONS)
+            if BACKEND == "inductor" and device is not None and device.type == "cpu"
+            else None
+        )
+        self._compiled = torch.compile(
+            _own_code(run, name), backend=BACKEND, dynamic=False, fullgraph=True, options=options
+        )
 
     def __call__(
         self,

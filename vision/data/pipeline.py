@@ -209,7 +209,7 @@ class Pipeline:
                     compiled = None
                     if compiles[start]:
                         finish = self._finish if device.type != "cpu" else self._cast
-                        compiled = CompiledOps(ops_runner(ops[start:end], finish if last else None))
+                        compiled = CompiledOps(ops_runner(ops[start:end], finish if last else None), device)
                     segments.append((start, end, compiled))
                     start = end
             self._segments[device.type] = segments
