@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import ResultStream, out_of_time, print_table, write_results  # noqa: E402
+from _common import ResultStream, out_of_time, print_table, time_ms, write_results  # noqa: E402
 
 ZIP = os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip")
@@ -345,17 +345,19 @@ def ours_imagenet(compile: bool = True, channels_last: bool = True):
     )
 
 
-def ours_side(images: torch.Tensor, pipeline, batch_size: int, device: str = "cpu") -> Callable[[], int]:
+def ours_side(images: torch.Tensor, pipeline, batch_size: int) -> Callable[[], int]:
+    """Our loader over a uint8 store resident where it is (memory, or a GPU): an epoch of shuffled batches,
+    synchronised at the end."""
     from vision.data import DeviceLoader
 
+    device = str(images.device)
     loader = DeviceLoader(
-        images, torch.zeros(len(images), dtype=torch.long), batch_size, pipeline, device=device
+        images, torch.zeros(len(images), dtype=torch.long), batch_size, pipeline, device=device, resident=True
     )
 
     def run() -> int:
         n = count(loader)
-        if device != "cpu":
-            torch.cuda.synchronize()
+        synchronize(device)
         return n
 
     return run
@@ -596,34 +598,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> flo
     """Bytes moved per second (read plus written) by a device-to-device copy: the ceiling of a pass."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times)
-
-
-def device_ours_side(store: torch.Tensor, pipeline, batch_size: int) -> Callable[[], int]:
-    """Our loader over a store resident on its device (an epoch in shuffled batches), synchronised at the
-    end."""
-    from vision.data import DeviceLoader
-
-    device = str(store.device)
-    loader = DeviceLoader(
-        store, torch.zeros(len(store), dtype=torch.long), batch_size, pipeline, device=device, resident=True
-    )
-
-    def run() -> int:
-        n = count(loader)
-        synchronize(device)
-        return n
-
-    return run
+    return 2 * nbytes / (time_ms(lambda: dst.copy_(src), warmup=3, repeats=repeats) / 1e3)
 
 
 def device_torchvision_side(store: torch.Tensor, transform, n: int) -> Callable[[], int]:
@@ -676,7 +651,7 @@ def profile_batches(store: torch.Tensor, pipeline, batch: int, name: str, batche
     from torch.profiler import ProfilerActivity, profile
 
     device = str(store.device)
-    run = device_ours_side(store[: batch * batches], pipeline, batch)
+    run = ours_side(store[: batch * batches], pipeline, batch)
     run()  # compiled and warm
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
@@ -732,8 +707,8 @@ def gpu_measurements(args, stream: ResultStream, device: str = "cuda") -> list[d
         store = store.contiguous(memory_format=torch.channels_last)
         moved = 3 * size * size + 3 * out_size * out_size * 4
         compiled = ours()
-        sides = {f"ours compiled, batch {b}": device_ours_side(store, compiled, b) for b in batches}
-        sides[f"ours eager, batch {batches[0]}"] = device_ours_side(store, ours(compile=False), batches[0])
+        sides = {f"ours compiled, batch {b}": ours_side(store, compiled, b) for b in batches}
+        sides[f"ours eager, batch {batches[0]}"] = ours_side(store, ours(compile=False), batches[0])
         sides["torchvision v2 per sample"] = device_torchvision_side(
             store, tv(), min(n, args.gpu_per_sample_images)
         )
