@@ -170,7 +170,7 @@ class CompiledStrategyMixin(_StrategyBase):
         fused = fuse_optimizer_steps(self.optimizers, module)
         applied = []
         if self._compiler.inductor_options.get("cpp_wrapper"):
-            applied.append("Inductor's C++ wrapper, no layout optimisation")
+            applied.append("Inductor's C++ wrapper, no layout optimisation, CPU graph passes")
         if fused:
             applied.append(f"fused {'/'.join(fused)} step")
         if retain_freed_memory():  # set at compile time; answers from its once-per-process result

@@ -303,12 +303,14 @@ def make_backend(
 ) -> CountingBackend:
     """Resolve ``backend``/``mode``/``options`` the way ``torch.compile`` does, then wrap it for counting.
 
-    Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor` (unless
-    ``tune_cpu`` is False).
+    Plain Inductor for a CPU gets the CPU training tuning of :mod:`lightning_plugin.cpu_inductor`, options
+    and decompositions (unless ``tune_cpu`` is False).
     """
-    options = cpu_inductor.training_options(backend, mode, options, device, tune_cpu) or options
-    if backend == "inductor":
-        inner: Callable[..., Any] = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    cpu_options = cpu_inductor.training_options(backend, mode, options, device, tune_cpu)
+    if cpu_options is not None:
+        inner: Callable[..., Any] = cpu_inductor.CPUTrainingInductor(mode, cpu_options, dynamic)
+    elif backend == "inductor":
+        inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:
         inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
     return CountingBackend(inner, stats)

@@ -79,10 +79,11 @@ class CompileConfig:
             ``"always"`` compiles without measuring; ``"never"`` trains eagerly (checkpoints, DDP and the
             rest of the strategy unchanged).
         tune_cpu: when training on a CPU, apply what was measured to pay there: Inductor without its
-            layout optimisation and with its C++ wrapper (:mod:`lightning_plugin.cpu_inductor`; only when
-            neither ``mode`` nor ``options`` is given), the optimizer's fused step where the LightningModule
-            chose no implementation (:mod:`lightning_plugin.fused_optimizer`), and glibc keeping freed memory
-            for reuse instead of handing it back, which cost page faults on every step
+            layout optimisation and with its C++ wrapper, plus our graph changes where torch's defaults
+            lose to eager (:mod:`lightning_plugin.cpu_inductor`, :mod:`lightning_plugin.cpu_graph_passes`;
+            only when neither ``mode`` nor ``options`` is given), the optimizer's fused step where the
+            LightningModule chose no implementation (:mod:`lightning_plugin.fused_optimizer`), and glibc
+            keeping freed memory for reuse instead of handing it back, which cost page faults on every step
             (:mod:`lightning_plugin.cpu_memory`). ``False`` applies none of it.
     """
 

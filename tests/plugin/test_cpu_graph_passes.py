@@ -1,0 +1,307 @@
+"""What the strategy changes in Inductor's graphs for CPU training (``lightning_plugin.cpu_graph_passes``):
+the gather backward of non-overlapping max-pools in channels_last, the bias-only conv backward as a sum,
+GELU's erf saved for the backward, and the cache key that keeps those graphs apart from plain Inductor's.
+
+References: eager PyTorch (bitwise for the pool, float64 for whole training steps) and the generated code
+(what a change must remove: the scatter, the extern conv backward, the erf in the backward)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+from lightning_plugin import CompileConfig, cpu_graph_passes, cpu_inductor
+from lightning_plugin.compile_stats import CompileStats, make_backend
+from lightning_plugin.compiler import ModuleCompiler
+from vision.models.airbench import AirbenchNet
+
+CPU = torch.device("cpu")
+
+
+def cpu_backend():
+    """The backend the strategy compiles with on a CPU (``tune_cpu=True``), with the Python wrapper, whose
+    generated code the tests read."""
+    return make_backend("inductor", None, None, None, CompileStats(), CPU)
+
+
+@pytest.fixture(autouse=True)
+def _compile_for_real():
+    """Every graph compiled here (no FX/AOT cache hits), so the decompositions and the pass run."""
+    torch._dynamo.reset()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def python_wrapper(monkeypatch):
+    """The strategy's CPU options with Inductor's Python wrapper: the extern calls are then readable in the
+    generated code (with the C++ wrapper they are shim calls)."""
+    monkeypatch.setitem(cpu_inductor.CPU_TRAINING_OPTIONS, "cpp_wrapper", False)
+
+
+def _with_ties(shape, generator, channels_last):
+    """Values on a 0.5 grid: many windows hold their maximum twice (what a real image's flat background
+    gives), where the scatter keeps the first index and so must the gather."""
+    x = torch.round(torch.randn(*shape, generator=generator, dtype=torch.float64) * 2) / 2
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def _pool_grads(fn, x, grad):
+    leaf = x.detach().clone().requires_grad_()
+    out = fn(leaf)
+    out.backward(grad)
+    return out, leaf.grad
+
+
+# ------------------------------------------------------------------------------------------ max-pool backward
+@pytest.mark.parametrize(
+    ("shape", "kernel", "ceil_mode"),
+    [
+        ((2, 3, 31, 31), 2, False),  # airbench's odd map: the last row and column belong to no window
+        ((2, 3, 31, 31), 2, True),  # ceil mode: the last window is cut off
+        ((1, 17, 7, 9), 3, False),  # N=1, C not a multiple of 16, H != W, k=3
+        ((3, 5, 9, 10), 3, True),
+        ((2, 4, 1, 6), 1, False),  # H=1, a 1x1 "pool"
+    ],
+)
+def test_pool_backward_gather_equals_eager_bitwise_with_ties(shape, kernel, ceil_mode):
+    g = torch.Generator().manual_seed(0)
+    x = _with_ties(shape, g, channels_last=True)
+
+    def pool(t):
+        return F.max_pool2d(t, kernel, ceil_mode=ceil_mode)
+
+    grad = torch.randn(pool(x).shape, generator=g, dtype=torch.float64)
+    want_y, want_dx = _pool_grads(pool, x, grad)
+    got_y, got_dx = _pool_grads(torch.compile(pool, backend=cpu_backend()), x, grad)
+    assert torch.equal(got_y, want_y)
+    assert torch.equal(got_dx, want_dx)
+    assert got_dx.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_pool_backward_of_an_expanded_gradient():
+    """``out.sum().backward()`` hands the pool an expanded (all-zero-stride) gradient."""
+    x = _with_ties((2, 3, 8, 8), torch.Generator().manual_seed(1), channels_last=True)
+    leaf_e, leaf_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+    F.max_pool2d(leaf_e, 2).sum().backward()
+    torch.compile(lambda t: F.max_pool2d(t, 2).sum(), backend=cpu_backend())(leaf_c).backward()
+    assert torch.equal(leaf_c.grad, leaf_e.grad)
+
+
+def _backward_code(fn, *args):
+    """The generated code of every graph ``fn`` compiles, the backward included (``fn`` runs it)."""
+    _, codes = run_and_get_code(fn, *args)
+    return "\n".join(codes)
+
+
+class _ConvPool(nn.Module):
+    def __init__(self, pool: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = pool
+
+    def forward(self, x):
+        return self.pool(F.gelu(self.conv(x)))
+
+
+@pytest.mark.parametrize(
+    ("pool", "channels_last", "gathers"),
+    [
+        (nn.MaxPool2d(2), True, True),
+        (nn.MaxPool2d(2), False, False),  # NCHW: torch's scatter is the faster one there
+        (nn.MaxPool2d(3, stride=2, padding=1), True, False),  # overlapping windows (ResNet's stem)
+    ],
+    ids=["tiles_channels_last", "tiles_nchw", "overlapping"],
+)
+def test_which_pools_take_the_gather(python_wrapper, pool, channels_last, gathers):
+    model = _ConvPool(pool).double()
+    x = torch.randn(2, 3, 15, 15, dtype=torch.float64)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    compiled = torch.compile(copy.deepcopy(model), backend=cpu_backend())
+
+    def step(m):
+        leaf = x.clone().requires_grad_()
+        m(leaf).square().sum().backward()
+        return leaf.grad
+
+    code = _backward_code(step, compiled)
+    assert ("scatter" not in code) == gathers
+    torch.testing.assert_close(step(compiled), step(model), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------ bias-only conv backward
+@pytest.mark.parametrize("frozen", [True, False])
+def test_bias_only_conv_backward_is_a_fused_sum(python_wrapper, frozen):
+    """airbench's whitening layer: weight frozen, input without gradient, bias trained. Its bias gradient
+    must not go to an extern convolution_backward; a conv whose weight trains still does."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 6, 2), nn.GELU()).to(memory_format=torch.channels_last)
+    eager[0].weight.requires_grad_(not frozen)
+    compiled = copy.deepcopy(eager)
+    x = torch.randn(4, 3, 9, 11).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(4, 6, 8, 10)
+    eager(x).backward(grad)
+    code = _backward_code(lambda: torch.compile(compiled, backend=cpu_backend())(x).backward(grad))
+    assert ("convolution_backward.default(" in code) == (not frozen)  # the extern call, not a kernel name
+    torch.testing.assert_close(compiled[0].bias.grad, eager[0].bias.grad, rtol=1e-5, atol=1e-5)
+    if not frozen:
+        torch.testing.assert_close(compiled[0].weight.grad, eager[0].weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_bias_only_rewrite_leaves_other_masks_and_dtypes_to_torch():
+    args = (torch.ones(1, 2, 3, 3), torch.ones(1, 1, 5, 5), torch.ones(2, 1, 3, 3), [2], [1, 1], [0, 0])
+    rest = ([1, 1], False, [0, 0], 1)
+    bias_only = cpu_graph_passes.convolution_backward_bias_only
+    assert bias_only(*args, *rest, [True, False, True]) is NotImplemented
+    half = (args[0].half(), *args[1:])
+    assert bias_only(*half, *rest, [False, False, True]) is NotImplemented
+    _, _, db = bias_only(*args, *rest, [False, False, True])
+    assert torch.equal(db, torch.full((2,), 9.0))
+
+
+# ---------------------------------------------------------------------------------------------- GELU's erf
+def test_gelu_erf_is_computed_in_the_forward_only(python_wrapper):
+    """The backward reads the saved erf: no erf left in its code (stock Inductor computes it there twice,
+    to recompute GELU's output for the conv's weight gradient and for GELU's own derivative)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU(), nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 3, 8, 8)
+
+    def step(backend):
+        torch._dynamo.reset()
+        return run_and_get_code(lambda: torch.compile(model, backend=backend)(x).sum().backward())[1]
+
+    def computes_erf(code):  # Inductor's vectorised and scalar C++ for erf
+        return ".erf()" in code or "std::erf(" in code
+
+    forward, backward = step(cpu_backend())
+    assert computes_erf(forward) and not computes_erf(backward)
+    _, stock_backward = step(torch._TorchCompileInductorWrapper(None, None, None))
+    assert computes_erf(stock_backward)  # what the pass changes
+
+
+def test_save_erf_merges_equal_erfs_and_marks_them():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    scaled = [graph.call_function(torch.ops.aten.mul.Tensor, (x, 0.7071067811865476)) for _ in range(2)]
+    erfs = [graph.call_function(torch.ops.aten.erf.default, (s,)) for s in scaled]
+    other = graph.call_function(torch.ops.aten.erf.default, (x,))
+    graph.output((erfs[0], erfs[1], other))
+    assert cpu_graph_passes.save_erf(graph) == 2
+    kept = [n for n in graph.nodes if n.target is torch.ops.aten.erf.default]
+    assert len(kept) == 2 and all(n.meta["recompute"].name == "MUST_SAVE" for n in kept)
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    assert outputs[0] is outputs[1] is kept[0] and outputs[2] is kept[1]
+
+
+# ------------------------------------------------------------------------------ whole training steps, caches
+def test_airbench_training_steps_match_eager_in_float64():
+    """The three changes together (whitening bias, GELU, odd maps into MaxPool2d(2), channels_last): two
+    SGD steps, then every parameter, gradient and BatchNorm buffer as eager."""
+    torch.manual_seed(0)
+    eager = AirbenchNet(widths=(4, 8, 8)).double().to(memory_format=torch.channels_last)
+    compiled = copy.deepcopy(eager)
+    compiler = ModuleCompiler(CompileConfig(fallback="raise"))
+    assert compiler.compile(compiled, CPU)
+    assert isinstance(compiler._backend.inner, cpu_inductor.CPUTrainingInductor)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64) for _ in range(2)]
+    batches = [b.contiguous(memory_format=torch.channels_last) for b in batches]
+    for model in (eager, compiled):
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        for x in batches:
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10, msg=name)
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+    for (name, want), got in zip(eager.named_buffers(), compiled.buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10, msg=name)
+    compiler.restore(compiled)
+
+
+def test_graphs_compiled_with_the_passes_do_not_share_cache_entries_with_plain_ones(monkeypatch):
+    """Same Inductor options with and without the passes: the second compile must not be served the first
+    one's cached graph (AOTAutograd's key leaves decompositions out; the pass's uuid puts them in)."""
+    calls = []
+    op = torch.ops.aten.max_pool2d_with_indices_backward.default
+
+    def spy(*args):
+        calls.append(1)
+        return cpu_graph_passes.max_pool2d_backward_gather(*args)
+
+    monkeypatch.setitem(cpu_graph_passes.REPLACEMENTS, op, spy)
+    cpu_graph_passes.training_decompositions.cache_clear()
+    model = _ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+    plain = torch._TorchCompileInductorWrapper(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
+    try:
+        with (
+            fresh_cache(),
+            torch._inductor.config.patch(fx_graph_cache=True),
+            torch._functorch.config.patch(enable_autograd_cache=True),
+        ):
+            for backend in (plain, cpu_backend()):
+                torch._dynamo.reset()
+                torch.compile(model, backend=backend)(x.clone().requires_grad_()).sum().backward()
+    finally:
+        cpu_graph_passes.training_decompositions.cache_clear()
+    assert calls, "the compile with the passes was served the plain graph from the cache"
+
+
+def test_backends_with_the_passes_compare_equal_only_to_each_other():
+    """Equal backends let a later fit reuse an earlier fit's compiled code (and never another's)."""
+    ours = cpu_inductor.CPUTrainingInductor(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
+    assert ours == cpu_inductor.CPUTrainingInductor(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
+    assert ours != torch._TorchCompileInductorWrapper(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
+    assert make_backend("inductor", None, None, None, CompileStats(), CPU) == cpu_backend()
+    for plain in (
+        make_backend("inductor", None, None, None, CompileStats(), CPU, tune_cpu=False),
+        make_backend("inductor", None, {"shape_padding": True}, None, CompileStats(), CPU),
+        make_backend("inductor", None, None, None, CompileStats(), torch.device("cuda")),
+    ):
+        assert not isinstance(plain.inner, cpu_inductor.CPUTrainingInductor)
+
+
+def test_graphs_compiled_with_the_passes_are_cached():
+    """Inductor pickles the decomposition table it is given into its cache key; a table that does not
+    pickle (some of torch's entries are C++ functions) made it bypass the FX graph cache for every graph."""
+    from torch._dynamo.utils import counters
+
+    model = _ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+    counters.clear()
+    with (
+        fresh_cache(),
+        torch._inductor.config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    ):
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.compile(model, backend=cpu_backend())(x.clone().requires_grad_()).sum().backward()
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] >= 1  # the second compile loaded the first
+
+
+def test_save_erf_leaves_activation_checkpointing_policies_alone():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    erf = graph.call_function(torch.ops.aten.erf.default, (x,))
+    erf.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    graph.output(erf)
+    assert cpu_graph_passes.save_erf(graph) == 0
+    assert erf.meta["recompute"] is CheckpointPolicy.PREFER_RECOMPUTE
