@@ -62,11 +62,15 @@ def training_options(
 
 class CPUTrainingInductor(torch._TorchCompileInductorWrapper):
     """``torch.compile``'s Inductor backend (the same ``mode``/``options`` handling and equality) that also
-    gives Inductor :mod:`lightning_plugin.cpu_graph_passes`: its decompositions and its joint-graph pass."""
+    gives Inductor :mod:`lightning_plugin.cpu_graph_passes`: its decompositions and its joint-graph pass
+    (neither where the user installed a joint-graph pass of their own in Inductor's config)."""
 
     def __call__(self, model_: Any, inputs_: Any, *, config_patches: dict[str, Any] | None = None) -> Any:
+        from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
+        if config.joint_custom_pre_pass is not None:  # a pass of the user's own: their Inductor, unchanged
+            return super().__call__(model_, inputs_, config_patches=config_patches)
         patches = {**self.config, **graph_pass_options(), **(config_patches or {})}
         return compile_fx(model_, inputs_, config_patches=patches, decompositions=training_decompositions())
 

@@ -305,3 +305,22 @@ def test_save_erf_leaves_activation_checkpointing_policies_alone():
     graph.output(erf)
     assert cpu_graph_passes.save_erf(graph) == 0
     assert erf.meta["recompute"] is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_joint_graph_pass_of_the_users_own_switches_the_passes_off(monkeypatch):
+    """The slot the passes use is the user's when they filled it: their pass runs, ours do not."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class UsersPass(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(sum(n.target is torch.ops.aten.erf.default for n in graph.nodes))
+
+        def uuid(self):
+            return "users-pass"
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU())
+    with torch._inductor.config.patch(joint_custom_pre_pass=UsersPass()):
+        torch.compile(model, backend=cpu_backend())(torch.randn(2, 3, 6, 6)).sum().backward()
+    assert seen == [2]  # their pass saw the graph as torch made it: forward and backward erf, not merged
