@@ -324,3 +324,24 @@ def test_a_joint_graph_pass_of_the_users_own_switches_the_passes_off(monkeypatch
     with torch._inductor.config.patch(joint_custom_pre_pass=UsersPass()):
         torch.compile(model, backend=cpu_backend())(torch.randn(2, 3, 6, 6)).sum().backward()
     assert seen == [2]  # their pass saw the graph as torch made it: forward and backward erf, not merged
+
+
+def test_a_tiling_pool_is_computed_once_in_the_forward(python_wrapper, monkeypatch):
+    """conv -> MaxPool2d(2) -> BatchNorm -> GELU in channels_last: the pool's max is evaluated once, not
+    again in each of BatchNorm's passes (statistics, then normalisation). Counted in the generated code
+    against the same compile without the forward change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.BatchNorm2d(16), nn.GELU())
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 15, 15).contiguous(memory_format=torch.channels_last)
+
+    def forward_code():
+        torch._dynamo.reset()
+        cpu_graph_passes.training_decompositions.cache_clear()
+        return run_and_get_code(lambda: torch.compile(model, backend=cpu_backend())(x).sum().backward())[1][0]
+
+    realised = forward_code().count("maximum(")
+    monkeypatch.delitem(cpu_graph_passes.REPLACEMENTS, torch.ops.aten.max_pool2d_with_indices.default)
+    inlined = forward_code().count("maximum(")
+    cpu_graph_passes.training_decompositions.cache_clear()
+    assert 0 < realised < inlined
