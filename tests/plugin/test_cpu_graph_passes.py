@@ -8,6 +8,7 @@ References: eager PyTorch (bitwise for the pool, float64 for whole training step
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -168,6 +169,125 @@ def test_the_bias_only_rewrite_leaves_other_masks_and_dtypes_to_torch():
     assert bias_only(*half, *rest, [False, False, True]) is NotImplemented
     _, _, db = bias_only(*args, *rest, [False, False, True])
     assert torch.equal(db, torch.full((2,), 9.0))
+
+
+# ------------------------------------------------------------ a bias gradient without the input gradient
+class _WhitenedConv(nn.Module):
+    """airbench's first two layers: a frozen conv whose bias trains, GELU, then a conv that trains."""
+
+    def __init__(self, c_in=3, c_mid=6, c_out=5, kernel=3, stride=1, padding=1, dilation=1) -> None:
+        super().__init__()
+        self.whiten = nn.Conv2d(c_in, c_mid, 2)
+        self.whiten.weight.requires_grad_(False)
+        self.conv = nn.Conv2d(c_mid, c_out, kernel, stride=stride, padding=padding, dilation=dilation)
+
+    def forward(self, x):
+        return self.conv(F.gelu(self.whiten(x)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "conv"),
+    [
+        ((2, 3, 12, 12), {}),  # airbench's pair: 3x3, same padding
+        ((1, 3, 9, 14), {"kernel": 3, "stride": 2, "padding": 0}),  # N=1, odd H != W, stride 2
+        (
+            (3, 1, 10, 7),
+            {"c_mid": 17, "c_out": 4, "kernel": 2, "dilation": 2, "padding": 1},
+        ),  # odd C, dilation
+        ((2, 3, 6, 6), {"kernel": 1, "padding": 0}),  # 1x1
+    ],
+)
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_bias_gradient_through_a_conv_matches_eager_in_float64(shape, conv, channels_last):
+    torch.manual_seed(0)
+    eager = _WhitenedConv(c_in=shape[1], **conv).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    if channels_last:
+        eager, x = (
+            eager.to(memory_format=torch.channels_last),
+            x.contiguous(memory_format=torch.channels_last),
+        )
+    compiled = copy.deepcopy(eager)
+    grad = torch.randn(eager(x).shape, dtype=torch.float64)
+    eager(x).backward(grad)
+    torch.compile(compiled, backend=cpu_backend())(x).backward(grad)
+    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
+        if want.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_conv_after_a_trained_bias_computes_no_input_gradient(python_wrapper):
+    """What the rewrite removes: the second conv's input gradient (``output_mask`` starting with True)
+    and with it the extern call's most expensive half on narrow inputs; its weight gradient stays."""
+    model = _WhitenedConv().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    code = _backward_code(lambda: torch.compile(model, backend=cpu_backend())(x).sum().backward())
+    calls = code.count("convolution_backward.default(")
+    assert calls == 2  # the weight gradient of conv with GELU's output, and with GELU's derivative
+    assert "[False, True, True])" in code and "[False, True, False])" in code and "[True, " not in code
+    model.whiten.weight.requires_grad_(True)  # now the input gradient feeds the whitening's weight gradient
+    torch._dynamo.reset()
+    code = _backward_code(lambda: torch.compile(model, backend=cpu_backend())(x).sum().backward())
+    assert "[True, True, True]" in code
+
+
+def _reduction_graph(
+    dims=(0, 2, 3), keepdim=False, mask=(True, True, False), transposed=False, groups=1, dx_output=False
+):
+    """conv backward -> dx * t -> sum(dims): the joint graph's pattern, with fake values as AOT gives."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    graph = torch.fx.Graph()
+    with mode:
+        values = {
+            "dy": torch.empty(2, 4, 6, 6),
+            "x": torch.empty(2, 3, 6, 6),
+            "w": torch.empty(4, 3, 3, 3) if not transposed else torch.empty(3, 4, 3, 3),
+            "t": torch.empty(2, 3, 6, 6),
+        }
+    nodes = {}
+    for name, value in values.items():
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = value
+    args = (nodes["dy"], nodes["x"], nodes["w"], None, [1, 1], [1, 1], [1, 1], transposed, [0, 0], groups)
+    conv = graph.call_function(torch.ops.aten.convolution_backward.default, (*args, list(mask)))
+    dx = graph.call_function(operator.getitem, (conv, 0))
+    dw = graph.call_function(operator.getitem, (conv, 1))
+    with mode:
+        dx.meta["val"] = torch.empty(2, 3, 6, 6)
+        dw.meta["val"] = torch.empty(4, 3, 3, 3)
+    conv.meta["val"] = (dx.meta["val"], dw.meta["val"], None)
+    product = graph.call_function(torch.ops.aten.mul.Tensor, (nodes["t"], dx))
+    product.meta["val"] = dx.meta["val"]
+    reduced = graph.call_function(torch.ops.aten.sum.dim_IntList, (product, list(dims), keepdim))
+    graph.output((reduced, dw, dx) if dx_output else (reduced, dw))
+    return graph
+
+
+def test_the_input_gradient_rewrite_takes_only_its_pattern():
+    rewrite = cpu_graph_passes.bias_gradient_without_input_gradient
+    assert rewrite(_reduction_graph()) == 1
+    assert rewrite(_reduction_graph(dims=(0, -2, -1))) == 1
+    for other in (
+        _reduction_graph(dims=(0, 2)),  # not a per-channel sum
+        _reduction_graph(keepdim=True),
+        _reduction_graph(transposed=True),
+        _reduction_graph(groups=3),
+        _reduction_graph(mask=(False, True, False)),
+        _reduction_graph(dx_output=True),  # the input gradient used elsewhere too
+    ):
+        assert rewrite(other) == 0
+
+
+def test_the_input_gradient_rewrite_drops_the_input_gradient_from_the_mask():
+    graph = _reduction_graph()
+    cpu_graph_passes.bias_gradient_without_input_gradient(graph)
+    masks = [n.args[10] for n in graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
+    assert sorted(masks) == [[False, True, False], [False, True, False]]
+    conv, added = [n for n in graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
+    assert conv.meta["val"][0] is None  # the input gradient is no longer computed
+    assert all(n.meta.get("val") is not None for n in graph.nodes if n.op == "call_function")
 
 
 # ---------------------------------------------------------------------------------------------- GELU's erf
