@@ -290,6 +290,57 @@ def test_the_input_gradient_rewrite_drops_the_input_gradient_from_the_mask():
     assert all(n.meta.get("val") is not None for n in graph.nodes if n.op == "call_function")
 
 
+# ------------------------------------------------------------- a wide conv's weight gradient on a tiny map
+WIDE = cpu_graph_passes.MATMUL_WEIGHT_GRADIENT_MIN_TAPS  # input channels x taps from which it applies
+
+
+@pytest.mark.parametrize(
+    ("c_in", "kernel", "conv", "size"),
+    [
+        (-(-WIDE // 9), 3, {"padding": 1}, 2),  # ResNet's last stage: 3x3 on a 2x2 map
+        (-(-WIDE // 9), 3, {"padding": 1, "stride": 2}, 4),  # its strided first conv: 4x4 -> 2x2
+        (WIDE, 1, {}, 1),  # 1x1 on a 1x1 map
+        (-(-WIDE // 4) + 3, 2, {"padding": 1, "dilation": 2}, 1),  # dilation, odd channels, padding only
+    ],
+)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_conv_weight_gradient_on_a_tiny_map_matches_eager_in_float64(
+    python_wrapper, c_in, kernel, conv, size, channels_last, bias
+):
+    """ResNet's last stage at 64 px: the weight gradient goes to ``unfold`` + ``mm`` (no oneDNN weight
+    gradient left in the code); input and bias gradients as before; every gradient equal to eager's."""
+    torch.manual_seed(0)
+    eager = nn.Conv2d(c_in, 5, kernel, bias=bias, **conv).double()
+    x = torch.randn(3, c_in, size, size, dtype=torch.float64)
+    if channels_last:
+        eager, x = (
+            eager.to(memory_format=torch.channels_last),
+            x.contiguous(memory_format=torch.channels_last),
+        )
+    compiled = copy.deepcopy(eager)
+    leaf_e, leaf_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(eager(x).shape, dtype=torch.float64)
+    eager(leaf_e).backward(grad)
+    code = _backward_code(lambda: torch.compile(compiled, backend=cpu_backend())(leaf_c).backward(grad))
+    assert "[True, False, False])" in code and "[True, True" not in code  # oneDNN: the input gradient only
+    torch.testing.assert_close(leaf_c.grad, leaf_e.grad, rtol=1e-10, atol=1e-12)
+    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12, msg=name)
+        layout = torch._prims_common.suggest_memory_format(want.grad)  # no copy when accumulated
+        assert got.grad.is_contiguous(memory_format=layout), name
+
+
+@pytest.mark.parametrize(("c_in", "size"), [(-(-WIDE // 9) - 1, 2), (-(-WIDE // 9), 3)])
+def test_narrower_convs_and_larger_maps_keep_onednns_weight_gradient(python_wrapper, c_in, size):
+    """Just under either threshold (fewer input channels x taps, or more than 4 output positions), where
+    oneDNN measured faster."""
+    model = nn.Conv2d(c_in, 4, 3, padding=1, bias=False)
+    x = torch.randn(2, c_in, size, size, requires_grad=True)
+    code = _backward_code(lambda: torch.compile(model, backend=cpu_backend())(x).sum().backward())
+    assert "[True, True, False])" in code
+
+
 # ---------------------------------------------------------------------------------------------- GELU's erf
 def test_gelu_erf_is_computed_in_the_forward_only(python_wrapper):
     """The backward reads the saved erf: no erf left in its code (stock Inductor computes it there twice,
