@@ -348,6 +348,7 @@ def model_signature(module: nn.Module, batch: Any, precision: str, compiler: Mod
         f"tune_cpu={config.tune_cpu}",
         # what Inductor is given (the CPU tuning included): a retuned strategy measures anew
         f"inductor={sorted(compiler.inductor_options.items())}",
+        f"graph_passes={compiler.graph_passes}",  # new CPU graph changes: a cached "eager" is measured anew
         f"dynamic={config.dynamic}",
         f"regional={config.regional}",
         f"channels_last={config.channels_last}",

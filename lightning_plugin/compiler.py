@@ -26,7 +26,7 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
-from lightning_plugin import dynamo_cache
+from lightning_plugin import cpu_graph_passes, cpu_inductor, dynamo_cache
 from lightning_plugin.compile_stats import CompileStats, FrameRecord, make_backend
 from lightning_plugin.config import CompileConfig
 
@@ -85,6 +85,13 @@ class ModuleCompiler:
         """The Inductor options of the compiled forward (the CPU tuning's too); empty before compiling."""
         inner = getattr(self._backend, "inner", None)
         return dict(getattr(inner, "config", None) or {})
+
+    @property
+    def graph_passes(self) -> str | None:
+        """The version of the CPU graph changes the compiled forward runs with (:mod:`~lightning_plugin.
+        cpu_graph_passes`); None without them. A changed version makes an earlier measurement stale."""
+        inner = getattr(self._backend, "inner", None)
+        return cpu_graph_passes.source_hash() if isinstance(inner, cpu_inductor.CPUTrainingInductor) else None
 
     @property
     def selection_pending(self) -> bool:

@@ -76,6 +76,7 @@ __all__ = [
     "graph_pass_options",
     "max_pool2d_backward_gather",
     "save_erf",
+    "source_hash",
     "training_decompositions",
 ]
 
@@ -127,10 +128,11 @@ def max_pool2d_forward_realized(
         return NotImplemented
     kernel = _pair(kernel_size, (1, 1))
     with_offsets = getattr(torch.ops.prims, "_low_memory_max_pool_with_offsets", None)
-    from torch._inductor.lowering import should_fallback_max_pool_with_indices
+    from torch._inductor import lowering
 
-    if with_offsets is None or should_fallback_max_pool_with_indices(list(kernel), n_dim=2):
-        return NotImplemented  # torch's decomposition (or its fallback) as is
+    falls_back = getattr(lowering, "should_fallback_max_pool_with_indices", None)
+    if with_offsets is None or falls_back is None or falls_back(list(kernel), n_dim=2):
+        return NotImplemented  # torch's decomposition (or its fallback) as is; an older torch: unchanged
     values, offsets = with_offsets(x, list(kernel), list(kernel), [0, 0], [1, 1], ceil_mode)
     return _dense(values), _window_offsets_to_indices(offsets, kernel, x.shape[-1])
 
@@ -442,6 +444,10 @@ def _reduced_input_gradient(node: torch.fx.Node) -> tuple[torch.fx.Node, ...] | 
     dx, tv = input_gradient.meta.get("val"), t.meta.get("val")
     if not isinstance(dx, torch.Tensor) or not isinstance(tv, torch.Tensor) or tv.shape != dx.shape:
         return None
+    grad_output, weight = node.args[0], node.args[2]
+    for arg in (grad_output, weight):  # the new nodes' fake values are made from theirs
+        if not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
+            return None
     if dx.dtype not in (torch.float32, torch.float64) or tv.dtype != dx.dtype:
         return None
     keepdim = reduction.args[2] if len(reduction.args) > 2 else reduction.kwargs.get("keepdim", False)
@@ -475,17 +481,17 @@ class CPUTrainingGraphPass(CustomGraphPass):
         bias_gradient_without_input_gradient(graph)
 
     def uuid(self) -> str:
-        return _source_hash()
+        return source_hash()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CPUTrainingGraphPass)
 
     def __hash__(self) -> int:
-        return hash(_source_hash())
+        return hash(source_hash())
 
 
 @functools.cache
-def _source_hash() -> str:
+def source_hash() -> str:
     return "lcv-cpu-training-" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -226,7 +227,14 @@ def test_cache_key_changes_with_input_model_precision_and_device():
     assert compiled.compile(module, torch.device("cpu"))
     assert compiled.inductor_options.get("cpp_wrapper") is True
     batch = (torch.zeros(8, 3, 8, 8), torch.zeros(8))
-    assert model_signature(module, batch, "32-true", compiled) != base
+    tuned = model_signature(module, batch, "32-true", compiled)
+    assert tuned != base
+    # so is the version of the CPU graph changes: a decision measured before they changed is measured anew
+    from lightning_plugin import cpu_graph_passes
+
+    assert compiled.graph_passes == cpu_graph_passes.source_hash()
+    with mock.patch.object(cpu_graph_passes, "source_hash", return_value="lcv-cpu-training-another"):
+        assert model_signature(module, batch, "32-true", compiled) != tuned
     compiled.restore(module)
     cpu = decision_fingerprint(torch.device("cpu"))
     threads = torch.get_num_threads()
