@@ -208,7 +208,12 @@ def convolution_backward_bias_only(
     otherwise."""
     if list(output_mask) != [False, False, True] or grad_output.dtype not in (torch.float32, torch.float64):
         return NotImplemented
-    return None, None, grad_output.sum([0, *range(2, grad_output.dim())])
+    return None, None, _bias_gradient(grad_output)
+
+
+def _bias_gradient(grad_output: torch.Tensor) -> torch.Tensor:
+    """A conv's bias gradient: ``grad_output`` summed over every dim but the channels."""
+    return grad_output.sum([0, *range(2, grad_output.dim())])
 
 
 #: A weight gradient goes to a matrix product when the conv's output has at most this many positions...
@@ -235,11 +240,11 @@ def convolution_backward_weight_as_matmul(
     weight gradient is slow there: on the 2-core test CPU, batch 32, 512 -> 512 channels on 2x2 took 6.1 ms
     against 2.3 ms as ``unfold`` + ``mm`` (1.7-2.6x for 512 channels on 1-4 positions, batch 32-128; slower
     from 16 positions or under 256 channels, so those keep oneDNN). ``NotImplemented`` (oneDNN) otherwise."""
-    co, ci, kh, kw = weight.shape if weight.dim() == 4 else (0, 0, 0, 0)
-    if not output_mask[1] or transposed or groups != 1 or x.dim() != 4:
+    if not output_mask[1] or transposed or groups != 1 or x.dim() != 4 or weight.dim() != 4:
         return NotImplemented
     if x.dtype not in (torch.float32, torch.float64):
         return NotImplemented
+    co, ci, kh, kw = weight.shape
     n, (ho, wo) = x.shape[0], grad_output.shape[-2:]
     if ho * wo > MATMUL_WEIGHT_GRADIENT_MAX_POSITIONS or ci * kh * kw < MATMUL_WEIGHT_GRADIENT_MIN_TAPS:
         return NotImplemented
@@ -270,7 +275,7 @@ def convolution_backward_weight_as_matmul(
             groups,
             [True, False, False],
         )[0]
-    grad_bias = grad_output.sum([0, 2, 3]) if output_mask[2] else None
+    grad_bias = _bias_gradient(grad_output) if output_mask[2] else None
     return grad_input, grad_weight, grad_bias
 
 
@@ -406,7 +411,7 @@ def bias_gradient_without_input_gradient(graph: torch.fx.Graph) -> int:
         reduction.replace_all_uses_with(bias_gradient)
         for dead in (reduction, product, input_gradient):
             graph.erase_node(dead)
-        if all(not user.users for user in node.users) or not node.users:
+        if all(not user.users for user in node.users):  # nothing else of it is used (or nothing at all)
             for user in list(node.users):
                 graph.erase_node(user)
             graph.erase_node(node)
