@@ -238,8 +238,9 @@ def convolution_backward_weight_as_matmul(
     """The weight gradient of a wide conv on a tiny map (ResNet's last stage: 512 channels, 3x3, a 2x2 map at
     64 px) as one matrix product of the unfolded input with ``grad_output``, the rest as before. oneDNN's
     weight gradient is slow there: on the 2-core test CPU, batch 32, 512 -> 512 channels on 2x2 took 6.1 ms
-    against 2.3 ms as ``unfold`` + ``mm`` (1.7-2.6x for 512 channels on 1-4 positions, batch 32-128; slower
-    from 16 positions or under 256 channels, so those keep oneDNN). ``NotImplemented`` (oneDNN) otherwise."""
+    against 2.3 ms as ``unfold`` + ``mm`` (``benchmarks/conv_weight_gradient.py``: 1.75-2.58x for 512
+    channels on 1-4 positions, batch 32-128; slower from 16 positions or at 64-128 channels, so those keep
+    oneDNN). ``NotImplemented`` (oneDNN) otherwise."""
     if not output_mask[1] or transposed or groups != 1 or x.dim() != 4 or weight.dim() != 4:
         return NotImplemented
     if x.dtype not in (torch.float32, torch.float64):
