@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy lightning_plugin kernels vision
+	$(BIN)/mypy -p lightning_plugin -p lcv_kernels -p lcv_vision
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/strategy_overhead.py

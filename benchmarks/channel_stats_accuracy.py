@@ -19,12 +19,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table
-from kernels._common import use_triton
-from kernels.batch_norm_act import batch_norm_act
-from kernels.conv_bn_act import conv_bn_act
+from lcv_kernels._common import use_triton
+from lcv_kernels.batch_norm_act import batch_norm_act
+from lcv_kernels.conv_bn_act import conv_bn_act
 
 
 def measure(offset: float, device: str, seed: int = 0) -> dict:

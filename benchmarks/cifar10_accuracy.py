@@ -21,7 +21,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 
 import torch  # noqa: E402
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import lightning.pytorch as pl
 
-    from vision.recipes import build, build_trainer, get_recipe
+    from lcv_vision.recipes import build, build_trainer, get_recipe
 
     recipe = get_recipe(args.recipe)
     gpu = torch.cuda.is_available()

@@ -38,10 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ResultStream, out_of_time, print_table, time_ms, write_results
-from kernels.conv_bn_act import DGRAD_ENV, FusedConvBNAct, conv_bn_act, triton_conv_input_grad
+from lcv_kernels.conv_bn_act import DGRAD_ENV, FusedConvBNAct, conv_bn_act, triton_conv_input_grad
 
 # name: (C_in, H, W, C_out, kernel, stride, padding) — torchvision ResNet-50 (v1.5: stride on the 3x3).
 RESNET50_LAYERS: dict[str, tuple[int, int, int, int, int, int, int]] = {

@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 from _common import machine_info, median, print_table, write_results  # noqa: E402
 from lightning_plugin.cpu_memory import retain_freed_memory  # noqa: E402
 
@@ -54,7 +56,7 @@ WORKLOADS = ("resnet18", "mobilenet_v3_small", "small_cnn", "digits")
 def _model_and_batch(workload: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The workload's network and one batch (``digits``: the recipe's channels_last network, a real batch)."""
     if workload == "digits":
-        from vision.recipes import build
+        from lcv_vision.recipes import build
 
         module, datamodule = build("digits-small")
         datamodule.setup("fit")

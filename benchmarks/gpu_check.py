@@ -497,7 +497,16 @@ def main() -> None:
         RESULTS_DIR_ENV: results_dir,
         # kernels="auto" measures afresh (its per-block ratios are results), never from an old cache
         "LCV_KERNEL_CACHE_DIR": os.path.join(work, "kernel-cache"),
-        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join(
+            p
+            for p in (
+                ROOT,
+                os.path.join(ROOT, "kernels"),
+                os.path.join(ROOT, "vision"),
+                os.environ.get("PYTHONPATH"),
+            )
+            if p
+        ),
     }
     if not args.dry_run:
         env.pop("TRITON_INTERPRET", None)

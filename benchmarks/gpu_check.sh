@@ -28,6 +28,6 @@ fi
 if [ -f .device_data/cifar10-jpeg.npz ]; then
   python3 benchmarks/device_data.py unpack .device_data/cifar10-jpeg.npz /tmp/lcv-device-data/cifar10-jpeg.zip
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export PYTHONPATH="$PWD:$PWD/kernels:$PWD/vision:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
 exec python3 benchmarks/gpu_check.py "$@"

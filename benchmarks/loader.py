@@ -47,7 +47,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 from _common import ResultStream, out_of_time, print_table, time_ms, write_results  # noqa: E402
 
 ZIP = os.path.abspath(
@@ -325,7 +327,7 @@ def kornia_jpeg_side(blobs: list[bytes], aug, batch_size: int) -> Callable[[], i
 # ------------------------------------------------------------------------------------------- ours
 def ours_cifar(compile: bool = True, channels_last: bool = True):
     """Our batched equivalent of ``alb_cifar()``, built without albumentations (tests check they agree)."""
-    from vision.data import HorizontalFlip, Normalize, Pipeline, RandomCrop
+    from lcv_vision.data import HorizontalFlip, Normalize, Pipeline, RandomCrop
 
     return Pipeline(
         [RandomCrop(32, 4, "reflect"), HorizontalFlip(), Normalize(MEAN, STD)],
@@ -336,7 +338,7 @@ def ours_cifar(compile: bool = True, channels_last: bool = True):
 
 def ours_imagenet(compile: bool = True, channels_last: bool = True):
     """Our batched equivalent of ``alb_imagenet()``, built without albumentations."""
-    from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
+    from lcv_vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
 
     return Pipeline(
         [RandomResizedCrop(224), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()],
@@ -348,7 +350,7 @@ def ours_imagenet(compile: bool = True, channels_last: bool = True):
 def ours_side(images: torch.Tensor, pipeline, batch_size: int) -> Callable[[], int]:
     """Our loader over a uint8 store resident where it is (memory, or a GPU): an epoch of shuffled batches,
     synchronised at the end."""
-    from vision.data import DeviceLoader
+    from lcv_vision.data import DeviceLoader
 
     device = str(images.device)
     loader = DeviceLoader(
@@ -365,7 +367,7 @@ def ours_side(images: torch.Tensor, pipeline, batch_size: int) -> Callable[[], i
 
 def ours_jpeg_side(blobs: list[bytes], pipeline, batch_size: int) -> Callable[[], int]:
     """The real loader path for files: EncodedImages decoded per batch by 2 threads, one batch ahead."""
-    from vision.data import DeviceLoader, EncodedImages
+    from lcv_vision.data import DeviceLoader, EncodedImages
 
     class InMemory(EncodedImages):  # the bytes are in memory on both sides
         def read(self, i: int) -> bytes:
@@ -388,7 +390,7 @@ def cpu_time_rows(args) -> list[dict]:
     import albumentations  # noqa: F401
     import cv2
 
-    from vision.data import Pipeline
+    from lcv_vision.data import Pipeline
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ For each op (``conv_bn_act``, ``batch_norm_act``, ``group_norm_act``, ``layer_no
 layout, training mode and a couple of small shapes (odd sizes, a 1x1 output, channels not a multiple of 16),
 the fused module (sharing the eager module's parameters) runs forward and backward; its output, input gradient
 and parameter gradients are compared with the same eager modules in float64, at the tolerances of
-``kernels/tolerances.py``. Half types run under autocast with float32 parameters, as mixed-precision
+``kernels/lcv_kernels/tolerances.py``. Half types run under autocast with float32 parameters, as mixed-precision
 training runs them. Each case is written the moment it is checked (see ``_common.ResultStream``).
 
     python benchmarks/op_correctness.py              # on a GPU: the Triton kernels, fp32/bf16/fp16
@@ -28,7 +28,9 @@ if "--tiny" in sys.argv[1:]:
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ResultStream, out_of_time, print_table, write_results  # noqa: E402
 
@@ -48,7 +50,7 @@ def _builders() -> dict[
     str, tuple[str, Callable[[int, int], nn.Sequential], Callable[[nn.Sequential], nn.Module]]
 ]:
     """op → (tolerance family, eager block of (C, K), fused module sharing that block's state)."""
-    from kernels import FusedBatchNormAct, FusedConvBNAct, FusedGroupNormAct, FusedLayerNorm2dAct
+    from lcv_kernels import FusedBatchNormAct, FusedConvBNAct, FusedGroupNormAct, FusedLayerNorm2dAct
 
     return {
         "conv_bn_act": (
@@ -101,7 +103,7 @@ def check_case(
     op: str, shape: tuple[int, ...], dtype_name: str, layout: str, training: bool, device: torch.device
 ) -> dict:
     """One fused op vs float64 eager: forward output, input gradient, parameter gradients."""
-    from kernels.tolerances import tolerance
+    from lcv_kernels.tolerances import tolerance
 
     family, eager_block, fused_of = _builders()[op]
     n, c, h, w, k = shape

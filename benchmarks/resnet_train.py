@@ -50,12 +50,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ResultStream, out_of_time, print_table, time_ms, write_results
-from kernels.batch_norm_act import batch_norm_act
-from kernels.group_norm_act import group_norm_act
-from kernels.layer_norm2d_act import layer_norm2d_act
+from lcv_kernels.batch_norm_act import batch_norm_act
+from lcv_kernels.group_norm_act import group_norm_act
+from lcv_kernels.layer_norm2d_act import layer_norm2d_act
 from lightning_plugin.compiler import ModuleCompiler
 from lightning_plugin.config import KNOWN_KERNELS, CompileConfig
 
@@ -91,11 +93,11 @@ NORM_SHAPES = (
 
 def build_model(args: argparse.Namespace) -> nn.Module:
     if args.model == "airbench94":
-        from vision.models.airbench import airbench94
+        from lcv_vision.models.airbench import airbench94
 
         return airbench94(num_classes=args.classes, **({"widths": (8, 16, 16)} if args.tiny else {}))
     if args.tiny:  # ResNet-50's structure (Bottleneck 3-4-6-3) at 1/8 width: same graph, small tensors
-        from vision.models.resnet import Bottleneck, ResNet
+        from lcv_vision.models.resnet import Bottleneck, ResNet
 
         return ResNet(Bottleneck, (3, 4, 6, 3), num_classes=args.classes, width=8)
     import torchvision

@@ -5,7 +5,7 @@ strategy as users get it, ``untuned`` = the compiled strategy with ``tune_cpu=Fa
 settings, the LightningModule's own optimizer step) trains the same workload in this process, one fit
 after another in turn, ``--repeats`` times; each fit's first ``--warmup`` steps are not timed and
 the median step time of the rest is kept, then the median over repeats. ``digits-small`` trains the
-recipe's own module and data (``vision.recipes.build``) for ``--epochs`` epochs and counts images
+recipe's own module and data (``lcv_vision.recipes.build``) for ``--epochs`` epochs and counts images
 per second after the first epoch, as ``lcv fit --recipe digits-small`` would.
 
 glibc's memory settings (:mod:`lightning_plugin.cpu_memory`) belong to the process, so they are made once
@@ -43,7 +43,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 import lightning_plugin  # noqa: E402
 from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
 from lightning_plugin.cpu_memory import retain_freed_memory  # noqa: E402
@@ -112,7 +114,7 @@ def _torchvision(name: str) -> Callable[[], nn.Module]:
 
 
 def _vit_tiny() -> nn.Module:
-    from vision.models import create_model
+    from lcv_vision.models import create_model
 
     return create_model("vit_tiny_patch4_32", num_classes=10)
 
@@ -217,7 +219,7 @@ def fit_synthetic(workload: Workload, side: str, steps: int) -> BatchTimer:
 
 
 def fit_recipe(side: str, epochs: int, limit_batches: int | None = None) -> BatchTimer:
-    from vision.recipes import build, trainer_kwargs
+    from lcv_vision.recipes import build, trainer_kwargs
 
     L.seed_everything(0, verbose=False)
     module, datamodule = build(RECIPE_WORKLOAD)

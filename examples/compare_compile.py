@@ -72,8 +72,8 @@ def run_once(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     import lightning.pytorch as pl
 
     import lightning_plugin  # noqa: F401
+    from lcv_vision.recipes import build, get_recipe
     from lightning_plugin import CompiledStrategy
-    from vision.recipes import build, get_recipe
 
     recipe = get_recipe(args.recipe, batch_size=args.batch_size)
     data: dict = {"root": args.data_root, "zip_path": args.zip}

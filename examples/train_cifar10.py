@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from vision.recipes import build, build_trainer, default_callbacks, get_recipe
+    from lcv_vision.recipes import build, build_trainer, default_callbacks, get_recipe
 
     recipe = get_recipe(args.recipe, epochs=args.epochs, batch_size=args.batch_size, optim={"lr": args.lr})
     if recipe.dataset != "cifar10":

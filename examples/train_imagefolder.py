@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from vision.recipes import build, build_trainer, default_callbacks, get_recipe
+    from lcv_vision.recipes import build, build_trainer, default_callbacks, get_recipe
 
     base = get_recipe("imagefolder-resnet50")
     batch = args.batch_size or base.batch_size

@@ -13,19 +13,13 @@ from __future__ import annotations
 import importlib.util
 import warnings
 
-from lightning_plugin.package_identity import require_own_package
+from lightning.pytorch.strategies import StrategyRegistry
 
-# Before anything below imports ``kernels``: a foreign one (another distribution's) fails here, clearly.
-require_own_package("kernels")
-require_own_package("vision", required=False)
-
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
-
-from lightning_plugin.compile_stats import CompileStats  # noqa: E402
-from lightning_plugin.config import KNOWN_KERNELS, CompileConfig  # noqa: E402
-from lightning_plugin.ddp import CompiledDDPStrategy  # noqa: E402
-from lightning_plugin.registry import register_all  # noqa: E402
-from lightning_plugin.strategy import CompiledStrategy  # noqa: E402
+from lightning_plugin.compile_stats import CompileStats
+from lightning_plugin.config import KNOWN_KERNELS, CompileConfig
+from lightning_plugin.ddp import CompiledDDPStrategy
+from lightning_plugin.registry import register_all
+from lightning_plugin.strategy import CompiledStrategy
 
 __all__ = ["CompileConfig", "CompileStats", "CompiledDDPStrategy", "CompiledStrategy", "KNOWN_KERNELS"]
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import KERNELS
+from lcv_kernels import KERNELS
 
 #: Kernels the strategy can substitute into a model (see ``lightning_plugin.substitution``); each name is also
 #: its op (``lcv::<name>``) and its module (``kernels/<name>.py``).

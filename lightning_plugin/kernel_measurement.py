@@ -9,7 +9,7 @@ inside the measured one are undone on both sides, so the ratio is the measured b
 Correctness is checked against the eager block in both train and eval mode (a model that trains also
 validates): outputs, the gradients of the input and of every parameter, and the buffers after the forward
 (BatchNorm running statistics), with the bound ``atol + rtol * max|reference|`` from
-:mod:`kernels.tolerances` for the compute dtype.
+:mod:`lcv_kernels.tolerances` for the compute dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from kernels.tolerances import tolerance
+from lcv_kernels.tolerances import tolerance
 from lightning_plugin.substitution import Replacement, SubstitutionReport, undo_substitutions
 
 

@@ -2,7 +2,7 @@
 
 Design: *patched forwards*, not module swaps and not an Inductor graph pass. Which blocks hold which chains,
 and the forward that runs them, is declared with ``lightning_plugin.blocks`` (``register_block``), next to
-the class where we own it (``vision.models.resnet`` registers its blocks; this module imports nothing from
+the class where we own it (``lcv_vision.models.resnet`` registers its blocks; this module imports nothing from
 ``vision``) and by class path for torchvision's and timm's (``lightning_plugin.blocks._torchvision``,
 ``_timm``), so neither library is imported for it. On each instance of exactly a registered class
 (subclasses may override forward, so they are left alone) every chain is planned, then the instance gets
@@ -38,8 +38,8 @@ from typing import Any, Final, cast
 
 from torch import nn
 
-from kernels._common import activation_name, unsupported_dtype_reason
-from kernels.conv_bn_act import why_conv_bn_act_not_fusable
+from lcv_kernels._common import activation_name, unsupported_dtype_reason
+from lcv_kernels.conv_bn_act import why_conv_bn_act_not_fusable
 from lightning_plugin.blocks import PLAN_ATTR, BlockSpec, Chain, Step, block_spec, norm_spec
 from lightning_plugin.blocks._run import is_identity, run_step, submodule
 from lightning_plugin.config import KNOWN_KERNELS

@@ -1,6 +1,6 @@
 """The import rules of the three packages, checked by parsing source (nothing is imported).
 
-Layers: ``kernels`` <- ``lightning_plugin`` <- ``vision`` (an arrow means "may import"). A lower layer never
+Layers: ``lcv_kernels`` <- ``lightning_plugin`` <- ``lcv_vision`` (an arrow means "may import"). A lower layer never
 imports a higher one, at module level or lazily inside a function: a lazy import is still a dependency, and it
 would make ``kernels`` unusable without the plugin (or the plugin without the recipes).
 
@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-LAYERS: tuple[str, ...] = ("kernels", "lightning_plugin", "vision")
+LAYERS: tuple[str, ...] = ("lcv_kernels", "lightning_plugin", "lcv_vision")
+#: The folder of the repository that holds each import package (``kernels/`` and ``vision/`` are plain folders).
+FOLDERS: dict[str, str] = {"lcv_kernels": "kernels/lcv_kernels", "lcv_vision": "vision/lcv_vision"}
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,9 @@ def module_names(root: Path, packages: tuple[str, ...] = LAYERS) -> dict[str, Pa
     """Every module of ``packages`` under ``root``: dotted name -> file (``pkg/__init__.py`` is ``pkg``)."""
     names: dict[str, Path] = {}
     for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
+        folder = root / FOLDERS.get(package, package)
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder.parent).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             names[".".join(parts)] = path

@@ -1,4 +1,4 @@
-"""The import layers (``kernels`` <- ``lightning_plugin`` <- ``vision``) and no module-level import cycles.
+"""The import layers (``lcv_kernels`` <- ``lightning_plugin`` <- ``lcv_vision``) and no module-level import cycles.
 
 The rules and why function-level imports are left out of the cycle check: ``tests/import_layers.py``. The
 planted trees below show the check fails when it should."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from import_layers import LAYERS, Import, import_cycles, imports, layer_violations, module_names
+from import_layers import FOLDERS, LAYERS, Import, import_cycles, imports, layer_violations, module_names
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,14 +39,14 @@ def test_the_checker_sees_the_real_imports():
         for i in found
     )
     assert any(
-        i.importer == "vision.recipes._build" and i.imported.startswith("lightning_plugin") for i in found
+        i.importer == "lcv_vision.recipes._build" and i.imported.startswith("lightning_plugin") for i in found
     )
 
 
 def _plant(root: Path, files: dict[str, str]) -> Path:
     for name in LAYERS:
-        (root / name).mkdir(parents=True, exist_ok=True)
-        (root / name / "__init__.py").touch()
+        (root / FOLDERS.get(name, name)).mkdir(parents=True, exist_ok=True)
+        (root / FOLDERS.get(name, name) / "__init__.py").touch()
     for rel, text in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,28 +58,33 @@ def test_planted_layer_violations_are_reported(tmp_path):
     root = _plant(
         tmp_path,
         {
-            "kernels/op.py": "import lightning_plugin.config\n",  # module level, one layer up
+            "kernels/lcv_kernels/op.py": "import lightning_plugin.config\n",  # module level, one layer up
             "lightning_plugin/config.py": """
             def load():
-                from vision.models import resnet  # lazy, still against the layers
+                from lcv_vision.models import resnet  # lazy, still against the layers
                 return resnet
         """,
             "lightning_plugin/sub/__init__.py": "",
             "lightning_plugin/sub/deep.py": "from ..config import load\n",  # relative, same layer: allowed
-            "vision/models.py": "import kernels.op\nimport lightning_plugin.config\n",  # downward: allowed
+            # downward: allowed
+            "vision/lcv_vision/models.py": "import lcv_kernels.op\nimport lightning_plugin.config\n",
         },
     )
     problems = layer_violations(root)
     assert len(problems) == 2, problems
-    assert problems[0].startswith("kernels.op (line 1, module level) imports lightning_plugin.config")
-    assert "kernels may not import lightning_plugin" in problems[0]
-    assert problems[1].startswith("lightning_plugin.config (line 3, inside a function) imports vision.models")
+    assert problems[0].startswith("lcv_kernels.op (line 1, module level) imports lightning_plugin.config")
+    assert "lcv_kernels may not import lightning_plugin" in problems[0]
+    assert problems[1].startswith(
+        "lightning_plugin.config (line 3, inside a function) imports lcv_vision.models"
+    )
 
 
 def test_a_relative_import_is_resolved_before_the_layer_check(tmp_path):
-    root = _plant(tmp_path, {"lightning_plugin/x.py": "from ..vision import y\n", "vision/y.py": ""})
-    # ``..`` from lightning_plugin.x is the top level: the import is ``vision.y``
-    assert [i.imported for i in imports(root)] == ["vision.y"]
+    root = _plant(
+        tmp_path, {"lightning_plugin/x.py": "from ..lcv_vision import y\n", "vision/lcv_vision/y.py": ""}
+    )
+    # ``..`` from lightning_plugin.x is the top level: the import is ``lcv_vision.y``
+    assert [i.imported for i in imports(root)] == ["lcv_vision.y"]
     assert len(layer_violations(root)) == 1
 
 
@@ -92,20 +97,20 @@ def test_planted_cycles_are_reported(tmp_path):
             # class bodies run at import
             "lightning_plugin/c.py": "class C:\n    from lightning_plugin.a import thing\n",
             # not cycles: a lazy import, and a TYPE_CHECKING-only one
-            "vision/p.py": "import vision.q\n",
-            "vision/q.py": """
+            "vision/lcv_vision/p.py": "import lcv_vision.q\n",
+            "vision/lcv_vision/q.py": """
             from typing import TYPE_CHECKING
             if TYPE_CHECKING:
-                import vision.p
+                import lcv_vision.p
             def f():
-                import vision.p
+                import lcv_vision.p
         """,
             # a package whose __init__ imports a submodule that imports a name from the package
-            "kernels/__init__.py": "from kernels.op import run\n",
-            "kernels/op.py": "from kernels import INT_LIMIT\n",
+            "kernels/lcv_kernels/__init__.py": "from lcv_kernels.op import run\n",
+            "kernels/lcv_kernels/op.py": "from lcv_kernels import INT_LIMIT\n",
         },
     )
     assert import_cycles(root) == [
-        ["kernels", "kernels.op"],
+        ["lcv_kernels", "lcv_kernels.op"],
         ["lightning_plugin.a", "lightning_plugin.b", "lightning_plugin.c"],
     ]

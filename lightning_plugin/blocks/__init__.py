@@ -9,7 +9,7 @@ class's forward runs a chain.
 ``lightning_plugin.substitution`` plans each chain of a registered block (a kernel, or eager with the reason)
 and installs the restated forward on the instance; ``nn.Sequential`` needs no registration.
 
-Whoever owns a block registers it next to its class (``vision.models.resnet`` does); torchvision's and timm's
+Whoever owns a block registers it next to its class (``lcv_vision.models.resnet`` does); torchvision's and timm's
 blocks are registered here by class path, so neither library is imported (``_torchvision``, ``_timm``).
 """
 

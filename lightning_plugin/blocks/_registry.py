@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import KERNELS
+from lcv_kernels import KERNELS
 
 #: Kernels that compute a norm on their own (``conv_bn_act`` is ``batch_norm_act`` with its conv fused in).
 NORM_KERNELS: tuple[str, ...] = tuple(k for k in KERNELS if k != "conv_bn_act")

@@ -9,11 +9,11 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from kernels._common import SUPPORTED_DTYPES
-from kernels.batch_norm_act import batch_norm_act_forward
-from kernels.conv_bn_act import conv_bn_act_forward
-from kernels.group_norm_act import group_norm_act_forward
-from kernels.layer_norm2d_act import layer_norm2d_act_forward
+from lcv_kernels._common import SUPPORTED_DTYPES
+from lcv_kernels.batch_norm_act import batch_norm_act_forward
+from lcv_kernels.conv_bn_act import conv_bn_act_forward
+from lcv_kernels.group_norm_act import group_norm_act_forward
+from lcv_kernels.layer_norm2d_act import layer_norm2d_act_forward
 
 #: Instance attribute holding a rewritten module's plan (dicts/tuples of :class:`Step`: deep-copies, pickles).
 PLAN_ATTR = "_lcv_plan"

@@ -86,7 +86,7 @@ class FaultTolerantCheckpoint(OnExceptionCheckpoint):
             rank_zero_warn(
                 f"FaultTolerantCheckpoint: the train loader ({', '.join(plain)}) has no state_dict()/"
                 "load_state_dict(), so a run resumed from a mid-epoch interruption cannot continue at the "
-                "same batch. Use a resumable loader (vision.data.DeviceLoader, torchdata's "
+                "same batch. Use a resumable loader (lcv_vision.data.DeviceLoader, torchdata's "
                 "StatefulDataLoader).",
                 category=UserWarning,
             )

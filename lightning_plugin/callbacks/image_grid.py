@@ -2,7 +2,7 @@
 normalisation undone, so a wrong augmentation is seen rather than guessed from the loss.
 
 Where the normalisation comes from is declared, not guessed: a train loader that implements
-:class:`NormalizedBatches` (``vision.data.DeviceLoader`` does) says what its batches were normalised with.
+:class:`NormalizedBatches` (``lcv_vision.data.DeviceLoader`` does) says what its batches were normalised with.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class TrainingMonitor(Callback):
         log_images: log a grid of the first training batch of each epoch.
         num_images: how many images the grid shows.
         mean, std: per-channel normalisation to undo for the grid; ``None`` asks the train loader
-            (``ImageGrid``'s ``NormalizedBatches``: ``vision.data.DeviceLoader`` says), then
+            (``ImageGrid``'s ``NormalizedBatches``: ``lcv_vision.data.DeviceLoader`` says), then
             ``trainer.datamodule.mean``/``std`` (or ``normalize_mean``/``normalize_std``), and failing both
             rescales each image to [0, 1]. uint8 images are shown as they are.
         log_hparams: write the HParams tab at the end of ``fit``.

@@ -64,11 +64,11 @@ def test_budget_leaves_set_up_time_in_one_eight_minute_call():
 def test_dry_run_runs_every_step_and_hands_over_versioned_results(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--budget", "240", "--out", str(out)],
+        [sys.executable, SCRIPT, "--dry-run", "--budget", "3000", "--out", str(out)],  # no step trimmed by load
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=400,
+        timeout=850,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -218,7 +218,10 @@ def test_gpu_tests_collect_where_optional_packages_are_missing(tmp_path):
         (tmp_path / name / "__init__.py").write_text(
             f"raise ModuleNotFoundError({message!r}, name={name!r})\n"
         )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT, f"{ROOT}/kernels", f"{ROOT}/vision"]),
+    }
     proc = subprocess.run(
         [
             sys.executable,
@@ -244,7 +247,8 @@ def test_gpu_tests_collect_where_optional_packages_are_missing(tmp_path):
     collected = re.search(r"(\d+)/\d+ tests collected", proc.stdout)
     assert collected and int(collected.group(1)) >= 10  # the GPU tests of every kernel and the loader
     imports = (
-        "import kernels, lightning_plugin, vision, vision.data, vision.models, vision.recipes, vision.module"
+        "import lcv_kernels, lightning_plugin, lcv_vision, lcv_vision.data, lcv_vision.models, "
+        "lcv_vision.recipes, lcv_vision.module"
     )
     core = subprocess.run(
         [sys.executable, "-c", imports], env=env, capture_output=True, text=True, check=False
@@ -298,7 +302,7 @@ def test_loader_pipelines_equal_the_albumentations_ones_they_are_timed_against()
     pytest.importorskip("albumentations")
     import torch
 
-    from vision.data import from_albumentations
+    from lcv_vision.data import from_albumentations
 
     loader = load_script("benchmarks/loader.py")
     images = torch.randint(0, 256, (6, 3, 40, 36), dtype=torch.uint8)

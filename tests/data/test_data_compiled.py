@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import vision.data.compiled as compiled_module
-from vision.data import (
+import lcv_vision.data.compiled as compiled_module
+from lcv_vision.data import (
     CoarseDropout,
     ColorJitter,
     Erasing,

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-import vision.data.compiled as compiled_module
+import lcv_vision.data.compiled as compiled_module
 
 cv2 = pytest.importorskip("cv2")
 
-from vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RaggedBatch, RandomResizedCrop
-from vision.data.functional import geometry
-from vision.data.functional.geometry import gather_resample, resample_tables, resize_boxes
+from lcv_vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RaggedBatch, RandomResizedCrop
+from lcv_vision.data.functional import geometry
+from lcv_vision.data.functional.geometry import gather_resample, resample_tables, resize_boxes
 
 
 def _ragged(real_images: torch.Tensor, sizes: list[tuple[int, int]]) -> RaggedBatch:

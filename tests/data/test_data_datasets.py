@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vision.data import CIFAR10DataModule, CorruptImageError, DigitsDataModule, ImageFolderDataModule
-from vision.data.datasets import load_digits_images, load_image_folder, stratified_split
+from lcv_vision.data import CIFAR10DataModule, CorruptImageError, DigitsDataModule, ImageFolderDataModule
+from lcv_vision.data.datasets import load_digits_images, load_image_folder, stratified_split
 
 
 def _write_folder(root, sizes, bad=()):
@@ -144,7 +144,7 @@ def test_not_a_zip_says_so(tmp_path):
 def test_progress_bar_only_for_slow_builds(tmp_path, monkeypatch, capsys):
     import time
 
-    import vision.data.datasets as ds
+    import lcv_vision.data.datasets as ds
 
     _write_folder(tmp_path, [(8, 8)] * 4)
     load_image_folder(str(tmp_path), "train")
@@ -171,8 +171,8 @@ def _encoded_folder(tmp_path):
 def test_encoded_loader_decodes_each_batch_like_decoding_up_front(tmp_path):
     import torchvision.io as tio
 
-    from vision.data import DeviceLoader, Pipeline, Resize
-    from vision.data.datasets import list_image_folder
+    from lcv_vision.data import DeviceLoader, Pipeline, Resize
+    from lcv_vision.data.datasets import list_image_folder
 
     root = _encoded_folder(tmp_path)
     enc = list_image_folder(root, "train")
@@ -200,8 +200,8 @@ def test_encoded_loader_decodes_each_batch_like_decoding_up_front(tmp_path):
 
 
 def test_encoded_loader_needs_a_resizing_first_op_and_handles_corrupt_files(tmp_path):
-    from vision.data import DeviceLoader, HorizontalFlip, Pipeline, Resize
-    from vision.data.datasets import list_image_folder
+    from lcv_vision.data import DeviceLoader, HorizontalFlip, Pipeline, Resize
+    from lcv_vision.data.datasets import list_image_folder
 
     root = _encoded_folder(tmp_path)
     (tmp_path / "train" / "dog" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff but not a jpeg")
@@ -283,8 +283,8 @@ def test_datamodule_shards_by_the_trainer_rank():
 
 def test_batched_jpeg_decode_failure_names_or_skips_the_corrupt_file(tmp_path):
     """The nvJPEG path's fallback, exercised with torchvision's batched decode on the CPU."""
-    from vision.data import DeviceLoader, Pipeline, Resize
-    from vision.data.datasets import list_image_folder
+    from lcv_vision.data import DeviceLoader, Pipeline, Resize
+    from lcv_vision.data.datasets import list_image_folder
 
     root = _encoded_folder(tmp_path)
     (tmp_path / "train" / "dog" / "zz_broken.jpg").write_bytes(b"\xff\xd8\xff but not a jpeg")
@@ -309,7 +309,7 @@ def test_datamodule_shards_are_disjoint_and_cover_every_sample(world_size):
     image."""
     from types import SimpleNamespace
 
-    from vision.data.datasets import ImageSet
+    from lcv_vision.data.datasets import ImageSet
 
     dm = DigitsDataModule(batch_size=16, image_size=8)
     dm.setup("fit")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vision.data import CoarseDropout, ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
+from lcv_vision.data import CoarseDropout, ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

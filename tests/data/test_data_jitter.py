@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from vision.data import ColorJitter, Normalize, Pipeline
-from vision.data.functional.color import (
+from lcv_vision.data import ColorJitter, Normalize, Pipeline
+from lcv_vision.data.functional.color import (
     adjust_brightness,
     adjust_contrast,
     adjust_hue,

@@ -7,8 +7,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from vision.data import DeviceLoader, DigitsDataModule, HorizontalFlip, Normalize, Pipeline, RandomCrop
-from vision.data.loader import shard_indices
+from lcv_vision.data import DeviceLoader, DigitsDataModule, HorizontalFlip, Normalize, Pipeline, RandomCrop
+from lcv_vision.data.loader import shard_indices
 
 
 def _data(n=103):
@@ -350,8 +350,8 @@ def test_cuda_encoded_loader_decodes_jpegs_with_nvjpeg(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from vision.data import Resize
-    from vision.data.datasets import list_image_folder
+    from lcv_vision.data import Resize
+    from lcv_vision.data.datasets import list_image_folder
 
     rng = np.random.default_rng(0)
     for c in ("a", "b"):

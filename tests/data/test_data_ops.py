@@ -9,7 +9,7 @@ import torch
 A = pytest.importorskip("albumentations", reason="albumentations (a dependency) is not installed here")
 cv2 = pytest.importorskip("cv2")
 
-from vision.data import (
+from lcv_vision.data import (
     CenterCrop,
     CoarseDropout,
     ColorJitter,
@@ -27,14 +27,14 @@ from vision.data import (
     ToGray,
     from_albumentations,
 )
-from vision.data.functional.color import (
+from lcv_vision.data.functional.color import (
     adjust_brightness,
     adjust_contrast,
     adjust_hue,
     adjust_saturation,
     color_jitter,
 )
-from vision.data.functional.geometry import crop_with_padding, random_resized_crop_params
+from lcv_vision.data.functional.geometry import crop_with_padding, random_resized_crop_params
 
 
 def hwc(x: torch.Tensor) -> np.ndarray:
@@ -415,7 +415,7 @@ def test_pipeline_bad_input_errors():
         p(torch.zeros(3, 8, 8, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         p(torch.zeros(2, 3, 8, 8, dtype=torch.int32))
-    with pytest.raises(TypeError, match="not a vision.data BatchOp"):
+    with pytest.raises(TypeError, match="not a lcv_vision.data BatchOp"):
         Pipeline([lambda x: x])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="resizing first op"):
         p(

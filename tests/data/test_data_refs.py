@@ -11,7 +11,7 @@ A = pytest.importorskip("albumentations", reason="albumentations (a dependency) 
 cv2 = pytest.importorskip("cv2")
 import torchvision.transforms.v2.functional as TF
 
-from vision.data import (
+from lcv_vision.data import (
     CenterCrop,
     CoarseDropout,
     ColorJitter,
@@ -28,7 +28,7 @@ from vision.data import (
     VerticalFlip,
     from_albumentations,
 )
-from vision.data.functional.color import (
+from lcv_vision.data.functional.color import (
     adjust_brightness,
     adjust_contrast,
     adjust_hue,
@@ -39,7 +39,7 @@ from vision.data.functional.color import (
     jitter_tables,
     rgb_to_hsv,
 )
-from vision.data.functional.geometry import resized_crop
+from lcv_vision.data.functional.geometry import resized_crop
 
 
 def hwc(x: torch.Tensor) -> np.ndarray:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import interpreter_enabled, triton_available
-from vision.data.functional._triton import resample_triton
-from vision.data.functional.geometry import gather_resample, resample, resample_tables
+from lcv_kernels._common import interpreter_enabled, triton_available
+from lcv_vision.data.functional._triton import resample_triton
+from lcv_vision.data.functional.geometry import gather_resample, resample, resample_tables
 
 pytestmark = pytest.mark.skipif(
     not (triton_available() and (interpreter_enabled() or torch.cuda.is_available())),

@@ -12,9 +12,8 @@ import warnings
 import pytest
 import torch
 
-from photo_folder import CLASSES, TRAIN_FILES, VAL_FILES, image_files, reference_rgb
-from vision.data import DeviceLoader, ImageFolderDataModule, Pipeline, RaggedBatch, ResizeCenterCrop
-from vision.data.datasets import (
+from lcv_vision.data import DeviceLoader, ImageFolderDataModule, Pipeline, RaggedBatch, ResizeCenterCrop
+from lcv_vision.data.datasets import (
     CorruptImageError,
     DatasetError,
     decode_image_bytes,
@@ -22,6 +21,7 @@ from vision.data.datasets import (
     list_image_folder,
     load_image_folder,
 )
+from photo_folder import CLASSES, TRAIN_FILES, VAL_FILES, image_files, reference_rgb
 
 SIDE = 24
 
@@ -56,7 +56,7 @@ def test_stored_squares_match_pil_decoding_and_cover_sub_folders(photo_folder):
 def test_listing_matches_torchvision_image_folder(photo_folder):
     from torchvision.datasets.folder import make_dataset
 
-    from vision.data.datasets import IMAGE_EXTENSIONS
+    from lcv_vision.data.datasets import IMAGE_EXTENSIONS
 
     encoded = list_image_folder(photo_folder, "train")
     reference = make_dataset(

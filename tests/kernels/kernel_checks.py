@@ -15,8 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from kernels._common import interpreter_enabled
-from kernels.tolerances import tolerance
+from lcv_kernels._common import interpreter_enabled
+from lcv_kernels.tolerances import tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: The Triton kernels run (on CUDA, or in the interpreter on CPU), not the references.

@@ -62,7 +62,7 @@ EPILOGUES = {
 
 def conv_layer_args(n: int, h: int, w: int, c: int, k: int, r: int, stride: int, pad: int) -> dict:
     """The integer arguments the launcher passes for a channels_last layer (all tensors dense)."""
-    from kernels.conv_bn_act import m_bucket, pow2_alignment
+    from lcv_kernels.conv_bn_act import m_bucket, pow2_alignment
 
     p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
     m = n * p * q
@@ -77,7 +77,7 @@ def conv_layer_args(n: int, h: int, w: int, c: int, k: int, r: int, stride: int,
 
 
 def compile_conv_kernel(config: tuple, io_dtype: str, layer: dict, dot_precision: str = "tf32", **constexprs):
-    """Compile ``kernels.conv_bn_act._conv_bn_act_kernel`` for sm90 as a launch on ``layer`` (see
+    """Compile ``lcv_kernels.conv_bn_act._conv_bn_act_kernel`` for sm90 as a launch on ``layer`` (see
     :func:`conv_layer_args`) would: integers specialised as Triton's JIT does (1 becomes a constant, multiples
     of 16 are marked divisible, ``do_not_specialize`` honoured), pointers 16-byte aligned as PyTorch allocates
     them; one ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` config, ``io_dtype`` ("bf16", "fp16",
@@ -88,7 +88,7 @@ def compile_conv_kernel(config: tuple, io_dtype: str, layer: dict, dot_precision
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    from kernels.conv_bn_act import _conv_bn_act_kernel
+    from lcv_kernels.conv_bn_act import _conv_bn_act_kernel
 
     fn = _conv_bn_act_kernel.fn
     block_m, block_n, block_k, stages, warps = config[:5]

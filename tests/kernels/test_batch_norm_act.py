@@ -1,9 +1,9 @@
-"""``lcv::batch_norm_act`` (``kernels/batch_norm_act.py``): op, backward op, functional, module forward,
+"""``lcv::batch_norm_act`` (``kernels/lcv_kernels/batch_norm_act.py``): op, backward op, functional, module forward,
 module.
 
 On CPU the Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes
 stay tiny and odd; tests that claim to test Triton count the launcher calls. Two oracles everywhere: the op
-references (``kernels/batch_norm_act_reference.py``) and ``torch.nn.functional`` autograd in float64.
+references (``kernels/lcv_kernels/batch_norm_act_reference.py``) and ``torch.nn.functional`` autograd in float64.
 """
 
 from __future__ import annotations
@@ -37,20 +37,20 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
-from kernels.batch_norm_act import (
+from lcv_kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
+from lcv_kernels.batch_norm_act import (
     FusedBatchNormAct,
     batch_norm_act,
     batch_norm_act_forward,
     batch_norm_scale_shift,
 )
-from kernels.batch_norm_act_reference import (
+from lcv_kernels.batch_norm_act_reference import (
     batch_norm_act_backward_reference,
     batch_norm_act_forward_reference,
 )
 from offline_compile import run_offline_compile
 
-BN = importlib.import_module("kernels.batch_norm_act")
+BN = importlib.import_module("lcv_kernels.batch_norm_act")
 # Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows
 # there (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that
 # negative).
@@ -475,7 +475,7 @@ def test_gradcheck_backward_formulas_float64_reference_path(monkeypatch):
     """Hand-written backward reference vs numerical derivatives (float64 needs the reference path)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(
-        "kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        "lcv_kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     )
     kw = {"dtype": torch.float64, "requires_grad": True}
     x, r = torch.randn(2, 4, 3, 2, **kw), torch.randn(2, 4, 3, 2, **kw)
@@ -653,8 +653,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from offline_compile import pointer_offset_widths
-bn = importlib.import_module("kernels.batch_norm_act")
-shared = importlib.import_module("kernels._triton")
+bn = importlib.import_module("lcv_kernels.batch_norm_act")
+shared = importlib.import_module("lcv_kernels._triton")
 
 IO = ("x_ptr", "y_ptr", "g_ptr", "res_ptr", "dx_ptr", "dres_ptr")
 FLOATS = ("inv_count", "inv_c", "eps")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import kernels.conv_bn_act as conv_mod
+import lcv_kernels.conv_bn_act as conv_mod
 from kernel_checks import (
     DEVICE,
     TRITON_PATH,
@@ -28,10 +28,15 @@ from kernel_checks import (
     size1_restrides,
     vector_variants,
 )
-from kernels._common import ACTIVATIONS, interpreter_enabled, needs_int64
-from kernels.conv_bn_act import FusedConvBNAct, conv_bn_act, conv_bn_act_forward, why_conv_bn_act_not_fusable
-from kernels.conv_bn_act_reference import conv2d_output_hw, conv_bn_act_reference
-from kernels.tolerances import tolerance
+from lcv_kernels._common import ACTIVATIONS, interpreter_enabled, needs_int64
+from lcv_kernels.conv_bn_act import (
+    FusedConvBNAct,
+    conv_bn_act,
+    conv_bn_act_forward,
+    why_conv_bn_act_not_fusable,
+)
+from lcv_kernels.conv_bn_act_reference import conv2d_output_hw, conv_bn_act_reference
+from lcv_kernels.tolerances import tolerance
 from offline_compile import run_offline_compile
 
 EAGER_ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -178,7 +183,7 @@ def test_gradcheck_fused_epilogue_float64_reference_path(monkeypatch):
 
     # float64 is not a kernel dtype, so go through the op with the check relaxed for this test.
     monkeypatch.setattr(
-        "kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        "lcv_kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     )
     assert torch.autograd.gradcheck(fn, (x, w, b, sc, sh, res))
 
@@ -926,7 +931,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
 _SPILL_SCRIPT = """
 from concurrent.futures import ProcessPoolExecutor
 
-import kernels.conv_bn_act as conv_mod
+import lcv_kernels.conv_bn_act as conv_mod
 from offline_compile import EPILOGUES, compile_conv_kernel, conv_layer_args, register_use
 
 # (N, H, W, C, K, kernel, stride, padding): one layer for each code-generation variant of ResNet-18/50 and the

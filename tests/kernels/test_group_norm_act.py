@@ -1,9 +1,9 @@
-"""``lcv::group_norm_act`` (``kernels/group_norm_act.py``): op, backward op, functional, module forward,
+"""``lcv::group_norm_act`` (``kernels/lcv_kernels/group_norm_act.py``): op, backward op, functional, module forward,
 module.
 
 On CPU the Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes
 stay tiny and odd; tests that claim to test Triton count the launcher calls. Two oracles everywhere: the op
-references (``kernels/group_norm_act_reference.py``) and ``torch.nn.functional`` autograd in float64.
+references (``kernels/lcv_kernels/group_norm_act_reference.py``) and ``torch.nn.functional`` autograd in float64.
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
-from kernels.group_norm_act import FusedGroupNormAct, group_norm_act, group_norm_act_forward
-from kernels.group_norm_act_reference import (
+from lcv_kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
+from lcv_kernels.group_norm_act import FusedGroupNormAct, group_norm_act, group_norm_act_forward
+from lcv_kernels.group_norm_act_reference import (
     group_norm_act_backward_reference,
     group_norm_act_forward_reference,
 )
 from offline_compile import run_offline_compile
 
-# ``kernels.group_norm_act`` is the function re-exported by ``kernels/__init__.py``; the module is this one.
-GN = importlib.import_module("kernels.group_norm_act")
+# ``lcv_kernels.group_norm_act`` is the function re-exported by ``lcv_kernels/__init__.py``; the module is this one.
+GN = importlib.import_module("lcv_kernels.group_norm_act")
 # Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows
 # there (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that
 # negative).
@@ -384,7 +384,7 @@ def test_gradcheck_backward_formulas_float64_reference_path(monkeypatch):
     """Hand-written backward reference vs numerical derivatives (float64 needs the reference path)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(
-        "kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        "lcv_kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     )
     kw = {"dtype": torch.float64, "requires_grad": True}
     x, r = torch.randn(2, 4, 3, 2, **kw), torch.randn(2, 4, 3, 2, **kw)
@@ -524,7 +524,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from offline_compile import pointer_offset_widths
-gn = importlib.import_module("kernels.group_norm_act")
+gn = importlib.import_module("lcv_kernels.group_norm_act")
 
 IO = ("x_ptr", "y_ptr", "g_ptr", "res_ptr", "dx_ptr", "dres_ptr")
 FLOATS = ("inv_count", "inv_c", "eps")

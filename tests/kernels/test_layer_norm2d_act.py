@@ -1,10 +1,10 @@
-"""``lcv::layer_norm2d_act`` (``kernels/layer_norm2d_act.py``): op, backward op, functional, module forward,
+"""``lcv::layer_norm2d_act`` (``kernels/lcv_kernels/layer_norm2d_act.py``): op, backward op, functional, module forward,
 module.
 
 LayerNorm over the channels of an NCHW tensor (ConvNeXt's ``LayerNorm2d``). On CPU the Triton kernels run in
 the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py), so shapes stay tiny and odd; tests that
 claim to test Triton count the launcher calls. Two oracles everywhere: the op references
-(``kernels/layer_norm2d_act_reference.py``) and ``F.layer_norm`` over the permuted tensor, autograd in
+(``kernels/lcv_kernels/layer_norm2d_act_reference.py``) and ``F.layer_norm`` over the permuted tensor, autograd in
 float64.
 """
 
@@ -38,21 +38,21 @@ from kernel_checks import (
     requires_triton_path,
     vector_variants,
 )
-from kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
-from kernels.layer_norm2d_act import (
+from lcv_kernels._common import ACTIVATIONS, canonical_strides, dense_layout, use_triton
+from lcv_kernels.layer_norm2d_act import (
     MAX_LAYERNORM_CHANNELS,
     FusedLayerNorm2dAct,
     layer_norm2d_act,
     layer_norm2d_act_forward,
 )
-from kernels.layer_norm2d_act_reference import (
+from lcv_kernels.layer_norm2d_act_reference import (
     layer_norm2d_act_backward_reference,
     layer_norm2d_act_forward_reference,
 )
 from offline_compile import run_offline_compile
 
-# ``kernels.layer_norm2d_act`` is the function re-exported by ``kernels/__init__.py``; the module is this one.
-LN = importlib.import_module("kernels.layer_norm2d_act")
+# ``lcv_kernels.layer_norm2d_act`` is the function re-exported by ``lcv_kernels/__init__.py``; the module is this one.
+LN = importlib.import_module("lcv_kernels.layer_norm2d_act")
 # Masked lanes load x = 0, which a mean of 1000 normalises to about -1000: numpy warns that exp() overflows
 # there (the lane is never stored; on a GPU exp gives inf and the activation 0, as for real inputs that
 # negative).
@@ -321,7 +321,7 @@ def test_gradcheck_backward_formulas_float64_reference_path(monkeypatch):
     """Hand-written backward reference vs numerical derivatives (float64 needs the reference path)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(
-        "kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        "lcv_kernels._common.SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     )
     kw = {"dtype": torch.float64, "requires_grad": True}
     x, r = torch.randn(2, 4, 3, 2, **kw), torch.randn(2, 4, 3, 2, **kw)
@@ -465,7 +465,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from offline_compile import pointer_offset_widths
-ln = importlib.import_module("kernels.layer_norm2d_act")
+ln = importlib.import_module("lcv_kernels.layer_norm2d_act")
 
 IO = ("x_ptr", "y_ptr", "g_ptr", "res_ptr", "dx_ptr", "dres_ptr")
 FLOATS = ("inv_count", "inv_c", "eps")

@@ -1,5 +1,5 @@
 """The helpers every op shares: layouts and canonical strides, vectors, activation names, the
-channel-statistics merge (``kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not
+channel-statistics merge (``lcv_kernels._triton.merge_channel_stats``) and the stand-in used where Triton is not
 installed."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernel_checks import DEVICE, assert_close, requires_triton_path, size1_restrides
-from kernels._common import (
+from lcv_kernels._common import (
     activation_name,
     canonical_strides,
     checked_activation_name,
@@ -115,7 +115,7 @@ def _parts(counts, channels, offset, generator):
 def test_merge_channel_stats_over_many_blocks_of_parts(offset):
     """300 parts (several merge blocks), uneven counts and never-written parts (count 0, NaN summaries): the
     merge must give the mean and biased variance of all rows, NaNs of unused parts ignored."""
-    from kernels._triton import merge_channel_stats
+    from lcv_kernels._triton import merge_channel_stats
 
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(1, 40, (300,), generator=g).double()
@@ -134,9 +134,9 @@ def test_kernels_work_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
         "import torch\n"
-        "from kernels.conv_bn_act import conv_bn_act\n"
-        "from kernels.batch_norm_act import batch_norm_act\n"
-        "from kernels._common import use_triton\n"
+        "from lcv_kernels.conv_bn_act import conv_bn_act\n"
+        "from lcv_kernels.batch_norm_act import batch_norm_act\n"
+        "from lcv_kernels._common import use_triton\n"
         "x = torch.randn(2, 3, 5, 5).contiguous(memory_format=torch.channels_last)\n"
         "y, mean, var = conv_bn_act(x, torch.randn(4, 3, 3, 3), padding=1, stats=True)\n"
         "z = batch_norm_act(y, None, None, training=True, activation='relu')\n"

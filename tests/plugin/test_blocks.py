@@ -31,7 +31,8 @@ import torch
 import torchvision
 from torch import nn
 
-from kernels.tolerances import tolerance
+from lcv_kernels.tolerances import tolerance
+from lcv_vision.models import airbench, resnet
 from lightning_plugin import KNOWN_KERNELS
 from lightning_plugin.blocks import (
     Chain,
@@ -49,7 +50,6 @@ from lightning_plugin.substitution import (
     undo_substitutions,
 )
 from script_loader import load_script
-from vision.models import airbench, resnet
 
 ALL = frozenset(KNOWN_KERNELS)
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,15 +130,15 @@ WHOLE_MODEL: tuple[str, ...] = ()
 DEEP_STEM = "bn1: conv stays eager (Sequential is not an nn.Conv2d)"
 
 EXAMPLES: dict[str, list[Example]] = {
-    "vision.models.resnet.BasicBlock": [
+    "lcv_vision.models.resnet.BasicBlock": [
         Example("identity", lambda: resnet.BasicBlock(4, 4), (2, 4, 5, 5)),
         Example("downsample", lambda: resnet.BasicBlock(4, 8, stride=2), (1, 4, 7, 6)),
     ],
-    "vision.models.resnet.Bottleneck": [
+    "lcv_vision.models.resnet.Bottleneck": [
         Example("identity", lambda: resnet.Bottleneck(8, 2), (2, 8, 5, 5)),
         Example("downsample", lambda: resnet.Bottleneck(4, 2, stride=2), (2, 4, 7, 7)),
     ],
-    "vision.models.resnet.ResNet": [
+    "lcv_vision.models.resnet.ResNet": [
         Example(
             "cifar",
             lambda: resnet.cifar_resnet18(num_classes=3, width=4),
@@ -152,7 +152,7 @@ EXAMPLES: dict[str, list[Example]] = {
             train_compares=WHOLE_MODEL,
         ),
     ],
-    "vision.models.airbench.ConvGroup": [
+    "lcv_vision.models.airbench.ConvGroup": [
         Example("gelu", lambda: airbench.ConvGroup(3, 4), (2, 3, 6, 6)),
     ],
     "torchvision.models.resnet.BasicBlock": [
@@ -490,7 +490,9 @@ def test_running_statistics_under_grad_checkpointing(monkeypatch):
 
 def test_the_check_catches_a_restated_forward_that_differs(monkeypatch):
     """What an upstream edit looks like: our BasicBlock's forward gains a step the restated one lacks."""
-    block, x = _build("vision.models.resnet.BasicBlock", EXAMPLES["vision.models.resnet.BasicBlock"][0])
+    block, x = _build(
+        "lcv_vision.models.resnet.BasicBlock", EXAMPLES["lcv_vision.models.resnet.BasicBlock"][0]
+    )
     _assert_restated_forward_is_the_class_forward(block, x)
 
     def edited_forward(self, x):
@@ -525,16 +527,16 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", ["lightning_plugin", "kernels"])
+@pytest.mark.parametrize("package", ["lightning_plugin", "kernels/lcv_kernels"])
 def test_lower_layers_never_import_vision(package):
     offenders = {
         str(path.relative_to(ROOT)): sorted(
-            n for n in _imports(path) if n == "vision" or n.startswith("vision.")
+            n for n in _imports(path) if n == "lcv_vision" or n.startswith("lcv_vision.")
         )
         for path in sorted((ROOT / package).rglob("*.py"))
     }
-    assert not {k: v for k, v in offenders.items() if v}, "a lower layer imports vision"
-    if package == "kernels":
+    assert not {k: v for k, v in offenders.items() if v}, "a lower layer imports lcv_vision"
+    if package == "kernels/lcv_kernels":
         assert not any(
             n.startswith("lightning_plugin") for p in (ROOT / package).rglob("*.py") for n in _imports(p)
         ), "kernels import the plugin"
@@ -593,7 +595,9 @@ def test_a_block_registered_by_its_owner_is_fused_and_its_subclasses_are_not(scr
 
 
 def test_registration_rejects_what_it_cannot_honour(scratch_registry):
-    with pytest.raises(ValueError, match="vision.models.resnet.BasicBlock is already registered as a block"):
+    with pytest.raises(
+        ValueError, match="lcv_vision.models.resnet.BasicBlock is already registered as a block"
+    ):
         register_block(resnet.BasicBlock, chains=[Chain("bn1")], forward=_user_block_chains)
     with pytest.raises(ValueError, match="at least one chain"):
         register_block(ConvBNSiLUPool, chains=[], forward=_user_block_chains)
@@ -653,7 +657,7 @@ def test_builtin_specs_import_neither_timm_nor_vision():
     """Registering timm's and torchvision's blocks by class path costs nothing where they are unused."""
     code = (
         "import sys, lightning_plugin.blocks, lightning_plugin.substitution; "
-        "print(sorted(m for m in ('timm', 'vision') if m in sys.modules))"
+        "print(sorted(m for m in ('timm', 'lcv_vision') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
+from lcv_vision.models.airbench import AirbenchNet
 from lightning_plugin import CompileConfig, cpu_graph_passes, cpu_inductor
 from lightning_plugin.compile_stats import CompileStats, make_backend
 from lightning_plugin.compiler import ModuleCompiler
-from vision.models.airbench import AirbenchNet
 
 CPU = torch.device("cpu")
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-import kernels.conv_bn_act
+import lcv_kernels.conv_bn_act
+from lcv_vision.models.resnet import BasicBlock, ResNet
 from lightning_plugin import CompileConfig
 from lightning_plugin.kernel_cache import CACHE_FILE_NAME
 from lightning_plugin.kernel_measurement import MedianTimer
 from lightning_plugin.kernel_selection import MIN_SPEEDUP
 from lightning_plugin.substitution import substituted_modules
 from selection_helpers import FakeClock, chain, select
-from vision.models.resnet import BasicBlock, ResNet
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 @pytest.mark.parametrize("fault", ["output", "gradient", "running stats", "eval mode only"])
 def test_wrong_numerics_are_never_chosen_even_when_faster(fault, monkeypatch, tmp_path):
-    real = kernels.conv_bn_act.conv_bn_act_forward
+    real = lcv_kernels.conv_bn_act.conv_bn_act_forward
 
     def faulty(conv, bn, x, activation="none", residual=None):
         out = real(conv, bn, x, activation, residual)
@@ -83,7 +83,7 @@ def test_wrong_numerics_are_never_chosen_even_when_faster(fault, monkeypatch, tm
             bn.running_mean.add_(0.5)
         return out
 
-    monkeypatch.setattr(kernels.conv_bn_act, "conv_bn_act_forward", faulty)
+    monkeypatch.setattr(lcv_kernels.conv_bn_act, "conv_bn_act_forward", faulty)
     monkeypatch.setattr("lightning_plugin.blocks._run.conv_bn_act_forward", faulty)
     model = chain(3, 4)
     clock = FakeClock({"2x3x6x6": (0.1, 1.0)})  # the wrong kernel would be 10x faster

@@ -511,7 +511,7 @@ class DigitsCNN(pl.LightningModule):
 
 def test_grid_is_denormalised_with_the_loader_pipeline(tmp_path) -> None:
     """The grid undoes the DeviceLoader pipeline's Normalize, not the datamodule's default mean/std."""
-    from vision.data import DigitsDataModule, Normalize, Pipeline, RandomTranslate
+    from lcv_vision.data import DigitsDataModule, Normalize, Pipeline, RandomTranslate
 
     mean, std = (0.2, 0.3, 0.4), (0.5, 0.6, 0.7)
 

@@ -74,13 +74,13 @@ def test_the_meter_module_imports_no_framework():
 
     meter_imports = [i for i in imports(ROOT) if i.importer == "lightning_plugin.step_meter"]
     imported = {i.imported.split(".")[0] for i in meter_imports}
-    frameworks = {"lightning", "pytorch_lightning", "lightning_plugin", "vision"}
+    frameworks = {"lightning", "pytorch_lightning", "lightning_plugin", "lcv_vision"}
     assert imported and not imported & frameworks, imported
 
 
 def test_the_device_loader_declares_its_normalization():
     """The image grid asks a declared interface, not ``pipeline.ops``: DeviceLoader implements it."""
-    from vision.data import DeviceLoader, Normalize, Pipeline, RandomTranslate
+    from lcv_vision.data import DeviceLoader, Normalize, Pipeline, RandomTranslate
 
     images, targets = torch.zeros(4, 3, 6, 6, dtype=torch.uint8), torch.zeros(4, dtype=torch.long)
     normalized = Pipeline([Normalize((0.1, 0.2, 0.3), (0.4, 0.5, 0.6)), RandomTranslate(1)], compile=False)

@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from boring import TRAINER_KWARGS
-from kernels.tolerances import tolerance
+from lcv_kernels.tolerances import tolerance
+from lcv_vision.models.airbench import AirbenchNet
+from lcv_vision.models.resnet import BasicBlock, Bottleneck, ResNet
 from lightning_plugin import KNOWN_KERNELS, CompiledStrategy
 from lightning_plugin.substitution import (
     PLAN_ATTR,
@@ -30,8 +32,6 @@ from lightning_plugin.substitution import (
     substituted_modules,
     undo_substitutions,
 )
-from vision.models.airbench import AirbenchNet
-from vision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 ALL = frozenset(KNOWN_KERNELS)
 

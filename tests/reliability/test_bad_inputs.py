@@ -33,7 +33,7 @@ def _trainer(**kw: Any) -> pl.Trainer:
 
 
 def _recipes() -> Any:
-    from vision.recipes import _registry, library  # noqa: F401  (library registers the recipes)
+    from lcv_vision.recipes import _registry, library  # noqa: F401  (library registers the recipes)
 
     return _registry
 
@@ -289,13 +289,13 @@ VISION_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
     ),
     (
         "model name",
-        lambda: __import__("vision.models", fromlist=["x"]).create_model("resnet999", 10),
+        lambda: __import__("lcv_vision.models", fromlist=["x"]).create_model("resnet999", 10),
         ValueError,
         r"unknown model 'resnet999'.*Did you mean",
     ),
     (
         "model classes",
-        lambda: __import__("vision.models", fromlist=["x"]).create_model("resnet18", 0),
+        lambda: __import__("lcv_vision.models", fromlist=["x"]).create_model("resnet18", 0),
         ValueError,
         r"num_classes must be a positive int, got 0",
     ),
@@ -342,7 +342,7 @@ VISION_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 
 
 def conv_bn_act(*args: Any, **kw: Any) -> Any:
-    from kernels.conv_bn_act import conv_bn_act as op
+    from lcv_kernels.conv_bn_act import conv_bn_act as op
 
     return op(*args, **kw)
 
@@ -435,11 +435,11 @@ KERNEL_CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 def _batch_norm_act_module() -> Any:
     import importlib
 
-    return importlib.import_module("kernels.batch_norm_act")
+    return importlib.import_module("lcv_kernels.batch_norm_act")
 
 
 def _module(**kw: Any) -> Any:
-    from vision.module import ClassificationModule
+    from lcv_vision.module import ClassificationModule
 
     return ClassificationModule(model="resnet18", num_classes=10, **kw)
 
@@ -447,7 +447,7 @@ def _module(**kw: Any) -> Any:
 def _data(name: str) -> Any:
     import importlib
 
-    return importlib.import_module(f"vision.data.{name}")
+    return importlib.import_module(f"lcv_vision.data.{name}")
 
 
 @pytest.mark.parametrize(
@@ -575,9 +575,9 @@ def _folder(root, *parts: str) -> str:
 
 
 def _vd() -> Any:
-    import vision.data
+    import lcv_vision.data
 
-    return vision.data
+    return lcv_vision.data
 
 
 def _loader_args(**kw: Any) -> dict[str, Any]:
@@ -688,7 +688,7 @@ DATA_CASES: list[tuple[str, Callable[[Any], Any], type[BaseException], str]] = [
         "loader pipeline list",
         lambda r: _vd().DeviceLoader(**_loader_args(pipeline=[])),
         TypeError,
-        r"pipeline must be a vision.data.Pipeline, got list",
+        r"pipeline must be a lcv_vision.data.Pipeline, got list",
     ),
     (
         "loader rank",

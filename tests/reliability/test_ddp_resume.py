@@ -48,13 +48,13 @@ def _script(out: Path) -> None:
     from lightning.pytorch.loggers import Logger
 
     import lightning_plugin
+    from lcv_vision.data import DigitsDataModule
     from lightning_plugin.callbacks import (
         FaultTolerantCheckpoint,
         NonFiniteLossError,
         NonFiniteLossGuard,
         TrainingMonitor,
     )
-    from vision.data import DigitsDataModule
 
     class EveryRankLogger(Logger):
         """Records on every rank (Lightning's loggers are rank_zero_only), to catch a monitor that doesn't."""

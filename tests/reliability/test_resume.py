@@ -296,7 +296,7 @@ def digits_fit(
     model: pl.LightningModule, callbacks: list[Callback] = (), ckpt_path: str | None = None
 ) -> pl.Trainer:
     """2 epochs of the real DigitsDataModule (augmented DeviceLoader, resumable state), 'compiled'."""
-    from vision.data import DigitsDataModule
+    from lcv_vision.data import DigitsDataModule
 
     trainer = pl.Trainer(
         accelerator="cpu",

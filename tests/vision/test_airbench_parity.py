@@ -24,7 +24,7 @@ pytest.importorskip("airbench", reason="airbench is in the dev extra: pip instal
 import airbench.utils as airbench_utils  # noqa: E402
 from airbench.lib_airbench94 import make_net94  # noqa: E402
 
-from vision.recipes import build_module  # noqa: E402
+from lcv_vision.recipes import build_module  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, EPOCHS = 64, 3, 4
 WIDTHS = {"block1": 16, "block2": 32, "block3": 32}

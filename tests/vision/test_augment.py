@@ -7,12 +7,12 @@ import pytest
 import torch
 import torchvision.transforms.v2 as T
 
-from vision.data.color import ColorJitter, Normalize
-from vision.data.erasing import CoarseDropout, Erasing
-from vision.data.geometry import HorizontalFlip, RandomCrop, RandomResizedCrop
-from vision.data.mixing import MixupCutmix
-from vision.data.trivial_augment import TRIVIAL_AUGMENT_OPS
-from vision.recipes import (
+from lcv_vision.data.color import ColorJitter, Normalize
+from lcv_vision.data.erasing import CoarseDropout, Erasing
+from lcv_vision.data.geometry import HorizontalFlip, RandomCrop, RandomResizedCrop
+from lcv_vision.data.mixing import MixupCutmix
+from lcv_vision.data.trivial_augment import TRIVIAL_AUGMENT_OPS
+from lcv_vision.recipes import (
     AlternatingFlipCrop,
     AugmentConfig,
     TrivialAugmentWide,

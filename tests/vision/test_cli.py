@@ -21,8 +21,8 @@ pytest.importorskip(
 )
 
 from lcv_args import TINY_QUIET
-from vision.cli import LcvCLI, _recipe_name, main, run
-from vision.recipes import get_recipe, list_recipes
+from lcv_vision.cli import LcvCLI, _recipe_name, main, run
+from lcv_vision.recipes import get_recipe, list_recipes
 
 
 @pytest.fixture(autouse=True)

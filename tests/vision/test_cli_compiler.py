@@ -16,7 +16,7 @@ pytest.importorskip(
 )
 
 from lcv_args import TINY_QUIET
-from vision.cli import run
+from lcv_vision.cli import run
 
 TINY = [
     *TINY_QUIET,

@@ -13,8 +13,8 @@ pytest.importorskip(
 )
 
 from lcv_args import TINY_QUIET
-from vision.cli import run
-from vision.models import create_model
+from lcv_vision.cli import run
+from lcv_vision.models import create_model
 
 TINY = TINY_QUIET
 

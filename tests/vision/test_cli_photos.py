@@ -20,7 +20,7 @@ pytest.importorskip(
     "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
 )
 
-from vision.cli import main, run
+from lcv_vision.cli import main, run
 
 SMALL = [
     "--recipe",
@@ -105,8 +105,8 @@ def test_runs_that_train_nothing_are_refused(capfd, photo_folder, option, value,
 
 
 def test_val_split_fraction_from_the_command_line(capfd, photo_copy):
-    from vision.cli import LcvCLI
-    from vision.recipes import get_recipe
+    from lcv_vision.cli import LcvCLI
+    from lcv_vision.recipes import get_recipe
 
     shutil.rmtree(photo_copy / "val")
     cli = LcvCLI(

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from vision.ema import ModelEMA, lookahead_decay
-from vision.tta import predict_with_tta
+from lcv_vision.ema import ModelEMA, lookahead_decay
+from lcv_vision.tta import predict_with_tta
 
 
 def _net() -> nn.Module:

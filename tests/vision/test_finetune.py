@@ -11,9 +11,9 @@ import urllib.error
 import pytest
 import torch
 
-from vision.finetune import WeightsError
-from vision.models import create_model
-from vision.module import ClassificationModule
+from lcv_vision.finetune import WeightsError
+from lcv_vision.models import create_model
+from lcv_vision.module import ClassificationModule
 
 TINY = {"width": 4}
 
@@ -124,7 +124,7 @@ def test_lcv_fit_from_a_weights_file_and_offline_pretrained(
 ):
     """Through ``lcv``: the file's backbone is trained on the photo folder's 2 classes; offline ``pretrained``
     is one error line."""
-    from vision.cli import main, run
+    from lcv_vision.cli import main, run
 
     monkeypatch.setattr(sys, "argv", ["lcv"])
     monkeypatch.chdir(tmp_path)

@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from vision.callbacks import BestAndLastCheckpoint, LcvProgressBar, ThroughputMeter
-from vision.ema import ema_warmup_decay
+from lcv_vision.callbacks import BestAndLastCheckpoint, LcvProgressBar, ThroughputMeter
+from lcv_vision.ema import ema_warmup_decay
 
 
 class _ConstantScore(pl.LightningModule):
@@ -102,8 +102,8 @@ def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
     """imagefolder-resnet50's EMA (decay 0.99986 every 32 steps) on a 6-step run: the last step updates it
     with the warm-up decay 0.1, parameters and BN running statistics alike (it used to keep the initial
     weights)."""
-    from vision.data import DigitsDataModule
-    from vision.module import ClassificationModule
+    from lcv_vision.data import DigitsDataModule
+    from lcv_vision.module import ClassificationModule
 
     torch.manual_seed(0)
     module = ClassificationModule(

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from vision.models import create_model, whitening_weights
-from vision.models.vit import Attention
+from lcv_vision.models import create_model, whitening_weights
+from lcv_vision.models.vit import Attention
 
 
 @pytest.mark.parametrize(("name", "size"), [("resnet18", 32), ("resnet34", 32), ("resnet50", 64)])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vision.module import ClassificationModule, lr_factor
-from vision.recipes import DigitsData, build_module
+from lcv_vision.module import ClassificationModule, lr_factor
+from lcv_vision.recipes import DigitsData, build_module
 
 
 def _hp(**kwargs) -> SimpleNamespace:
@@ -200,7 +200,7 @@ def test_lookahead_ends_on_the_average_and_whitening_bias_freezes():
     for name, value in module.model.state_dict().items():
         torch.testing.assert_close(value, module.ema.module.state_dict()[name], msg=name)
     # whitening filters come from the data: they whiten the first 64 (normalised) training images
-    from vision.models import whitening_weights
+    from lcv_vision.models import whitening_weights
 
     torch.testing.assert_close(
         module.model.whiten.weight, whitening_weights(data.sample_train_images(64).float())

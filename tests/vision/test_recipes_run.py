@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vision.recipes import build, build_trainer, get_recipe, list_recipes
+from lcv_vision.recipes import build, build_trainer, get_recipe, list_recipes
 
 
 def _tiny_model(model: str) -> dict:
@@ -38,8 +38,8 @@ def _tiny_data(dataset: str, tiny_cifar: str, tiny_imagefolder: str) -> dict:
 def _traced_only(recipe):
     """The recipe's CPU strategy with ``aot_eager``: dynamo and AOTAutograd trace every recipe's model (graph
     breaks and tracing errors show), without Inductor's C++ compile of each (minutes for the ResNet-50)."""
+    from lcv_vision.recipes._build import trainer_kwargs
     from lightning_plugin import CompiledStrategy
-    from vision.recipes._build import trainer_kwargs
 
     settings = trainer_kwargs(recipe, gpu=False)["strategy"]["init_args"]
     # modes are Inductor's; no compile cache: with logger=False it would be written into the working directory
@@ -156,7 +156,7 @@ def test_whitening_images_are_a_seeded_sample_across_classes(tiny_cifar):
 def test_runs_keep_the_portable_compile_cache_on():
     """``lcv fit`` compiles once per run, on a GPU and on the CPU: a resume or another rank loads the saved
     artifacts."""
-    from vision.recipes._build import trainer_kwargs
+    from lcv_vision.recipes._build import trainer_kwargs
 
     for gpu in (True, False):
         strategy = trainer_kwargs("digits-small", gpu=gpu)["strategy"]

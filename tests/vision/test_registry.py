@@ -8,10 +8,10 @@ import pytest
 import torch
 import torchvision
 
-import vision.models._registry as model_registry
-import vision.recipes._registry as recipe_registry
-from vision.models import create_model, list_models, register_model
-from vision.recipes import (
+import lcv_vision.models._registry as model_registry
+import lcv_vision.recipes._registry as recipe_registry
+from lcv_vision.models import create_model, list_models, register_model
+from lcv_vision.recipes import (
     AugmentConfig,
     OptimConfig,
     Recipe,

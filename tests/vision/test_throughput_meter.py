@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import lightning_plugin.step_meter as step_meter
-from vision.callbacks import ThroughputMeter
-from vision.data.loader import first_images
+from lcv_vision.callbacks import ThroughputMeter
+from lcv_vision.data.loader import first_images
 
 
 def test_epochs_with_a_mocked_clock(monkeypatch):

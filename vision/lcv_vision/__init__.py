@@ -1,0 +1,1 @@
+"""Vision models, recipes, LightningModules, data sets and the GPU augmentation loader."""
