@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning_plugin  # noqa: E402
-import lightning_plugin.compile_mixin as compile_mixin  # noqa: E402
+import lightning_plugin.compile.mixin as compile_mixin  # noqa: E402
 from _common import median, print_table, write_results  # noqa: E402
 
 MODELS = ("small_cnn", "resnet18")

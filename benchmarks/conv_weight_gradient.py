@@ -1,7 +1,7 @@
 """A conv's weight gradient: oneDNN's ``convolution_backward`` against one matrix product of the unfolded
 input.
 
-Where the rule of :func:`lightning_plugin.cpu_graph_passes.convolution_backward_weight_as_matmul` comes from
+Where the rule of :func:`lightning_plugin.cpu.graph_passes.convolution_backward_weight_as_matmul` comes from
 (at most ``MATMUL_WEIGHT_GRADIENT_MAX_POSITIONS`` output positions, at least
 ``MATMUL_WEIGHT_GRADIENT_MIN_TAPS`` input channels x taps): for each batch size, channel count and map size,
 3x3 convs with same padding, both sides in this process, eager, median of ``--repeats`` after ``--warmup``.
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 from _common import machine_info, print_table, time_ms, write_results  # noqa: E402
-from lightning_plugin import cpu_graph_passes  # noqa: E402
+from lightning_plugin.cpu import graph_passes as cpu_graph_passes  # noqa: E402
 
 CONV = (
     [1, 1],

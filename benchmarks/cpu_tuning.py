@@ -5,12 +5,12 @@ One plain training step (forward, cross-entropy, backward, optimizer step; no Li
 
 - ``eager``: PyTorch's default step (the optimizer's own loop);
 - ``stock``: the forward compiled by stock Inductor (its layout optimisation on);
-- ``no-layout``: Inductor with ``layout_optimization=False`` (:mod:`lightning_plugin.cpu_inductor`);
-- ``+fused``: and the optimizer's fused step (:mod:`lightning_plugin.fused_optimizer`);
+- ``no-layout``: Inductor with ``layout_optimization=False`` (:mod:`lightning_plugin.cpu.inductor`);
+- ``+fused``: and the optimizer's fused step (:mod:`lightning_plugin.cpu.fused_optimizer`);
 - ``+cpp-wrapper``: and Inductor's C++ wrapper: everything the strategy applies.
 
 All variants of a workload live in one process and take turns (``--repeats`` rounds of ``--steps`` steps,
-the first 2 of each not timed; medians). glibc's memory settings (:mod:`lightning_plugin.cpu_memory`) are per
+the first 2 of each not timed; medians). glibc's memory settings (:mod:`lightning_plugin.cpu.memory`) are per
 process, so each workload runs twice, in a fresh process each: with glibc's defaults and with memory kept;
 the minor page faults per step are counted for each variant.
 
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 from _common import machine_info, median, print_table, write_results  # noqa: E402
-from lightning_plugin.cpu_memory import retain_freed_memory  # noqa: E402
+from lightning_plugin.cpu.memory import retain_freed_memory  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {},

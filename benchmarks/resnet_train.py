@@ -58,7 +58,7 @@ from _common import ResultStream, out_of_time, print_table, time_ms, write_resul
 from lcv_kernels.batch_norm_act import batch_norm_act
 from lcv_kernels.group_norm_act import group_norm_act
 from lcv_kernels.layer_norm2d_act import layer_norm2d_act
-from lightning_plugin.compiler import ModuleCompiler
+from lightning_plugin.compile.compiler import ModuleCompiler
 from lightning_plugin.config import KNOWN_KERNELS, CompileConfig
 
 VARIANTS = (
@@ -113,7 +113,7 @@ def prepare_variant(
     if name == "eager":
         return model, model
     if name == "eager_kernels":
-        from lightning_plugin.substitution import apply_substitutions
+        from lightning_plugin.kernel_choice.substitution import apply_substitutions
 
         report = apply_substitutions(model, frozenset(KNOWN_KERNELS))
         print(report.summary().splitlines()[0], file=sys.stderr)

@@ -8,7 +8,7 @@ the median step time of the rest is kept, then the median over repeats. ``digits
 recipe's own module and data (``lcv_vision.recipes.build``) for ``--epochs`` epochs and counts images
 per second after the first epoch, as ``lcv fit --recipe digits-small`` would.
 
-glibc's memory settings (:mod:`lightning_plugin.cpu_memory`) belong to the process, so they are made once
+glibc's memory settings (:mod:`lightning_plugin.cpu.memory`) belong to the process, so they are made once
 before the first fit and every side runs with them, eager included: the ratios leave out what they save the
 compiled side against an eager run with glibc's defaults (conservative).
 
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
 import lightning_plugin  # noqa: E402
 from _common import ResultStream, machine_info, median, print_table, write_results  # noqa: E402
-from lightning_plugin.cpu_memory import retain_freed_memory  # noqa: E402
+from lightning_plugin.cpu.memory import retain_freed_memory  # noqa: E402
 
 
 class SmallCNN(nn.Module):

@@ -20,7 +20,7 @@ import torchvision
 from torch import nn
 
 from lightning_plugin import KNOWN_KERNELS
-from lightning_plugin.substitution import SubstitutionReport, apply_substitutions, planned_norms
+from lightning_plugin.kernel_choice.substitution import SubstitutionReport, apply_substitutions, planned_norms
 
 NORM_BASES = (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)
 

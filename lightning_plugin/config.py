@@ -16,8 +16,8 @@ import torch
 
 from lcv_kernels import KERNELS
 
-#: Kernels the strategy can substitute into a model (see ``lightning_plugin.substitution``); each name is also
-#: its op (``lcv::<name>``) and its module (``kernels/<name>.py``).
+#: Kernels the strategy can substitute into a model (see ``lightning_plugin.kernel_choice.substitution``); each
+#: name is also its op (``lcv::<name>``) and its module (``kernels/lcv_kernels/<name>.py``).
 KNOWN_KERNELS: tuple[str, ...] = KERNELS
 
 #: Names of the first release, kept only to say what they are called now.
@@ -59,7 +59,7 @@ class CompileConfig:
         channels_last: convert the model (and 4-D inputs) to ``torch.channels_last`` before compiling.
         kernels: kernel substitutions applied to the model before compiling: ``"auto"`` (on CUDA, each
             block kept fused only where measured correct and >= 1.05x faster than Inductor alone, see
-            :mod:`lightning_plugin.kernel_selection`; none on CPU, where they would only run their
+            :mod:`lightning_plugin.kernel_choice.selection`; none on CPU, where they would only run their
             PyTorch references), ``"all"``, ``"none"``, or a list of names from :data:`KNOWN_KERNELS`.
         compile_eval: also run validation/test/predict through the compiled forward.
         fallback: what to do when compilation fails or dynamo gives up on a frame: ``"eager"`` warns
@@ -68,23 +68,23 @@ class CompileConfig:
             ``"eager"`` otherwise; set ``fallback="eager"`` to let a ``fullgraph`` run continue eagerly.
         regional: compile each repeated block (a submodule class used two or more times, such as
             a ResNet ``BasicBlock``) once instead of the whole ``forward``; cuts compile time.
-        cache: a portable compile cache (see ``lightning_plugin.compile_cache``): ``True`` saves
+        cache: a portable compile cache (see ``lightning_plugin.compile.cache``): ``True`` saves
             what was compiled next to the run's checkpoints and loads it in a later process (a
             resume, another rank or node, a rerun into the same folder); a file path loads from and
             saves to that file; ``False`` turns it off. A cache made with another torch, Triton,
             Python or device is skipped with one warning line.
         compile: ``"auto"`` times a few training steps compiled and eager after the first (compiling) ones and
             trains eagerly for the rest of the run when compiled is not faster, saying so in one line; the
-            decision is cached per model and machine (see :mod:`lightning_plugin.compile_decision`).
+            decision is cached per model and machine (see :mod:`lightning_plugin.compile.decision`).
             ``"always"`` compiles without measuring; ``"never"`` trains eagerly (checkpoints, DDP and the
             rest of the strategy unchanged).
         tune_cpu: when training on a CPU, apply what was measured to pay there: Inductor without its
             layout optimisation and with its C++ wrapper, plus our graph changes where torch's defaults
-            lose to eager (:mod:`lightning_plugin.cpu_inductor`, :mod:`lightning_plugin.cpu_graph_passes`;
+            lose to eager (:mod:`lightning_plugin.cpu.inductor`, :mod:`lightning_plugin.cpu.graph_passes`;
             only when neither ``mode`` nor ``options`` is given), the optimizer's fused step where the
-            LightningModule chose no implementation (:mod:`lightning_plugin.fused_optimizer`), and glibc
+            LightningModule chose no implementation (:mod:`lightning_plugin.cpu.fused_optimizer`), and glibc
             keeping freed memory for reuse instead of handing it back, which cost page faults on every step
-            (:mod:`lightning_plugin.cpu_memory`). ``False`` applies none of it.
+            (:mod:`lightning_plugin.cpu.memory`). ``False`` applies none of it.
     """
 
     backend: str | Callable[..., Any] = "inductor"

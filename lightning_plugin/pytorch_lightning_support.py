@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
-from lightning_plugin.ddp import CompiledDDPMixin
-from lightning_plugin.registry import register_all
-from lightning_plugin.strategy import CompiledSingleDeviceMixin
+from lightning_plugin.strategies.ddp import CompiledDDPMixin
+from lightning_plugin.strategies.registry import register_all
+from lightning_plugin.strategies.single_device import CompiledSingleDeviceMixin
 
 __all__ = ["CompiledDDPStrategy", "CompiledStrategy"]
 

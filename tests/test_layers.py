@@ -25,16 +25,20 @@ def test_the_checker_sees_the_real_imports():
     """A parser that found nothing would pass the two tests above; it must see known edges of every kind."""
     assert len(module_names(REPO)) > 50
     found = set(imports(REPO))
-    assert Import("lightning_plugin.strategy", "lightning_plugin.compile_mixin", 21, True) in found
-    # ``from lightning_plugin import dynamo_cache`` names a module, not an attribute of the package
+    assert (
+        Import("lightning_plugin.strategies.single_device", "lightning_plugin.compile.mixin", 21, True)
+        in found
+    )
+    # ``from lightning_plugin.compile import dynamo_cache`` names a module, not an attribute of the package
     assert any(
-        i.importer == "lightning_plugin.compiler" and i.imported == "lightning_plugin.dynamo_cache"
+        i.importer == "lightning_plugin.compile.compiler"
+        and i.imported == "lightning_plugin.compile.dynamo_cache"
         for i in found
     )
     # lazy imports are parsed too (they are held to the layers)
     assert any(
-        i.importer == "lightning_plugin.compiler"
-        and i.imported == "lightning_plugin.substitution"
+        i.importer == "lightning_plugin.compile.compiler"
+        and i.imported == "lightning_plugin.kernel_choice.substitution"
         and not i.module_level
         for i in found
     )

@@ -6,8 +6,8 @@ A *norm class* is one whose forward normalises as one of our kernels does (``nn.
 ``[conv →] norm [→ …] [+ residual] [→ act]`` (:class:`Chain`), on its own child modules:
 :func:`register_block` takes the chains and a restated forward that calls :func:`run_chain` where the
 class's forward runs a chain.
-``lightning_plugin.substitution`` plans each chain of a registered block (a kernel, or eager with the reason)
-and installs the restated forward on the instance; ``nn.Sequential`` needs no registration.
+``lightning_plugin.kernel_choice.substitution`` plans each chain of a registered block (a kernel, or eager with
+the reason) and installs the restated forward on the instance; ``nn.Sequential`` needs no registration.
 
 Whoever owns a block registers it next to its class (``lcv_vision.models.resnet`` does); torchvision's and timm's
 blocks are registered here by class path, so neither library is imported (``_torchvision``, ``_timm``).

@@ -14,12 +14,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_plugin.compile_mixin import CompiledStrategyMixin, build_config, with_compile_settings
-from lightning_plugin.compile_stats import CompileStats
-from lightning_plugin.compiler import ModuleCompiler
+from lightning_plugin.compile.compiler import ModuleCompiler
+from lightning_plugin.compile.mixin import CompiledStrategyMixin, build_config, with_compile_settings
+from lightning_plugin.compile.stats import CompileStats
 from lightning_plugin.config import CompileConfig
-from lightning_plugin.cpu_memory import retain_freed_memory
-from lightning_plugin.fused_optimizer import fuse_optimizer_steps
+from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
+from lightning_plugin.cpu.memory import retain_freed_memory
 
 
 class TorchCompile(Callback):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lightning_plugin import cpu_graph_passes
+from lightning_plugin.cpu import graph_passes as cpu_graph_passes
 from script_loader import load_script
 
 

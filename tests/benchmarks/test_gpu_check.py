@@ -64,7 +64,15 @@ def test_budget_leaves_set_up_time_in_one_eight_minute_call():
 def test_dry_run_runs_every_step_and_hands_over_versioned_results(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--budget", "3000", "--out", str(out)],  # no step trimmed by load
+        [
+            sys.executable,
+            SCRIPT,
+            "--dry-run",
+            "--budget",
+            "3000",
+            "--out",
+            str(out),
+        ],  # no step trimmed by load
         capture_output=True,
         text=True,
         cwd=ROOT,

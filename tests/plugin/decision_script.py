@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning_plugin  # noqa: E402
 from boring import TRAINER_KWARGS, TinyModule, make_loader  # noqa: E402
-from lightning_plugin import compile_decision  # noqa: E402
+from lightning_plugin.compile import decision as compile_decision  # noqa: E402
 from test_compile_decision import slow_backend, virtual_clock  # noqa: E402
 
 

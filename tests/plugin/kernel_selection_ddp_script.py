@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from lightning_plugin.substitution import substituted_modules  # noqa: E402
+from lightning_plugin.kernel_choice.substitution import substituted_modules  # noqa: E402
 from selection_helpers import chain, select  # noqa: E402
 
 

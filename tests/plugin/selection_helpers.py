@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_plugin import CompileConfig
-from lightning_plugin.kernel_selection import select_kernels
+from lightning_plugin.kernel_choice.selection import select_kernels
 
 EAGER = CompileConfig(backend="eager")  # both sides compiled by dynamo with the eager backend: fast on CPU
 

@@ -42,7 +42,7 @@ from lightning_plugin.blocks import (
     registered_blocks,
     run_chain,
 )
-from lightning_plugin.substitution import (
+from lightning_plugin.kernel_choice.substitution import (
     SubstitutionReport,
     apply_substitutions,
     planned_norms,
@@ -656,7 +656,7 @@ def test_a_norm_activation_module_runs_once_in_its_block_and_undoing_the_block_k
 def test_builtin_specs_import_neither_timm_nor_vision():
     """Registering timm's and torchvision's blocks by class path costs nothing where they are unused."""
     code = (
-        "import sys, lightning_plugin.blocks, lightning_plugin.substitution; "
+        "import sys, lightning_plugin.blocks, lightning_plugin.kernel_choice.substitution; "
         "print(sorted(m for m in ('timm', 'lcv_vision') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -7,7 +7,7 @@ import torch
 
 from boring import TRAINER_KWARGS, TinyModule, make_loader, params_of
 from lightning_plugin import CompiledStrategy
-from lightning_plugin.checkpoint_keys import align_to_module, strip_compile_prefix
+from lightning_plugin.compile.checkpoint_keys import align_to_module, strip_compile_prefix
 
 CKPT_KWARGS = {**TRAINER_KWARGS, "enable_checkpointing": True}
 

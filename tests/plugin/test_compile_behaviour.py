@@ -10,7 +10,7 @@ import torch
 
 from boring import TRAINER_KWARGS, ConvBlock, TinyModule, make_loader
 from lightning_plugin import CompiledStrategy
-from lightning_plugin.compiler import find_repeated_blocks
+from lightning_plugin.compile.compiler import find_repeated_blocks
 
 
 def fit(module, strategy, loader=None, validate=True, **overrides):

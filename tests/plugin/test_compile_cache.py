@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from boring import TRAINER_KWARGS, LinearModule, make_vector_loader
-from lightning_plugin import CompileConfig, CompiledStrategy, compile_cache
-from lightning_plugin.compile_cache import (
+from lightning_plugin import CompileConfig, CompiledStrategy
+from lightning_plugin.compile import cache as compile_cache
+from lightning_plugin.compile.cache import (
     CACHE_FILE_NAME,
     environment,
     load_compile_cache,
@@ -124,7 +125,7 @@ def test_cache_true_saves_next_to_the_checkpoints_and_a_resume_loads_from_there(
 
     loaded = []
     monkeypatch.setattr(compile_cache, "load_compile_cache", lambda path, device: loaded.append(path) or True)
-    import lightning_plugin.compile_mixin as mixin
+    import lightning_plugin.compile.mixin as mixin
 
     monkeypatch.setattr(mixin, "load_compile_cache", compile_cache.load_compile_cache)
     resumed = L.Trainer(

@@ -21,10 +21,10 @@ import torch
 
 import lightning_plugin
 from boring import TRAINER_KWARGS, TinyModule, make_loader
-from lightning_plugin import compile_decision
-from lightning_plugin.compile_decision import DECISIONS_FILE, SAMPLES, WARMUP_STEPS, model_signature
+from lightning_plugin.compile import decision as compile_decision
+from lightning_plugin.compile.decision import DECISIONS_FILE, SAMPLES, WARMUP_STEPS, model_signature
 from lightning_plugin.config import CompileConfig
-from lightning_plugin.kernel_cache import CACHE_DIR_ENV
+from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
 
 HERE = os.path.dirname(__file__)
 DELAY_S = 1.0
@@ -210,7 +210,7 @@ def _signature(module, shape=(8, 3, 8, 8), precision="32-true", backend="inducto
 
 
 def test_cache_key_changes_with_input_model_precision_and_device():
-    from lightning_plugin.compile_decision import decision_fingerprint
+    from lightning_plugin.compile.decision import decision_fingerprint
 
     base = _signature(TinyModule())
     assert _signature(TinyModule()) == base  # same model, fresh weights: same key
@@ -230,7 +230,7 @@ def test_cache_key_changes_with_input_model_precision_and_device():
     tuned = model_signature(module, batch, "32-true", compiled)
     assert tuned != base
     # so is the version of the CPU graph changes: a decision measured before they changed is measured anew
-    from lightning_plugin import cpu_graph_passes
+    from lightning_plugin.cpu import graph_passes as cpu_graph_passes
 
     assert compiled.graph_passes == cpu_graph_passes.source_hash()
     with mock.patch.object(cpu_graph_passes, "source_hash", return_value="lcv-cpu-training-another"):

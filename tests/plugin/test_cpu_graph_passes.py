@@ -1,4 +1,4 @@
-"""What the strategy changes in Inductor's graphs for CPU training (``lightning_plugin.cpu_graph_passes``):
+"""What the strategy changes in Inductor's graphs for CPU training (``lightning_plugin.cpu.graph_passes``):
 the gather backward of non-overlapping max-pools in channels_last, the bias-only conv backward as a sum,
 GELU's erf saved for the backward, and the cache key that keeps those graphs apart from plain Inductor's.
 
@@ -17,9 +17,11 @@ from torch import nn
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from lcv_vision.models.airbench import AirbenchNet
-from lightning_plugin import CompileConfig, cpu_graph_passes, cpu_inductor
-from lightning_plugin.compile_stats import CompileStats, make_backend
-from lightning_plugin.compiler import ModuleCompiler
+from lightning_plugin import CompileConfig
+from lightning_plugin.compile.compiler import ModuleCompiler
+from lightning_plugin.compile.stats import CompileStats, make_backend
+from lightning_plugin.cpu import graph_passes as cpu_graph_passes
+from lightning_plugin.cpu import inductor as cpu_inductor
 
 CPU = torch.device("cpu")
 

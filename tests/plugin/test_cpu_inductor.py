@@ -1,4 +1,4 @@
-"""The CPU training tuning of Inductor (``lightning_plugin.cpu_inductor``): when it applies, that it is
+"""The CPU training tuning of Inductor (``lightning_plugin.cpu.inductor``): when it applies, that it is
 active while the strategy compiles (Inductor no longer picks channels_last, and writes a C++ wrapper), and
 that compiled training with it matches eager in float64 (train and eval, gradients, BN running stats)."""
 
@@ -14,9 +14,10 @@ from torch import nn
 from torch._inductor.graph import GraphLowering
 
 import lightning_plugin
-from lightning_plugin import CompileConfig, cpu_inductor
-from lightning_plugin.compile_stats import CompileStats, make_backend
-from lightning_plugin.compiler import ModuleCompiler
+from lightning_plugin import CompileConfig
+from lightning_plugin.compile.compiler import ModuleCompiler
+from lightning_plugin.compile.stats import CompileStats, make_backend
+from lightning_plugin.cpu import inductor as cpu_inductor
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""glibc keeping freed memory (``lightning_plugin.cpu_memory``): the page faults of a step-like pattern of
+"""glibc keeping freed memory (``lightning_plugin.cpu.memory``): the page faults of a step-like pattern of
 allocations disappear, and nothing is touched where the C library is not glibc."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lightning_plugin import cpu_memory
+from lightning_plugin.cpu import memory as cpu_memory
 
 # A training step in miniature: 40 buffers of 256 KiB to 12 MiB allocated and written (activations), then all
 # freed (end of the step); the minor page faults of the last rounds are counted. glibc adjusts its thresholds
@@ -22,7 +22,7 @@ from lightning_plugin import cpu_memory
 _STEPS = """
 import ctypes, json, resource, sys
 import torch
-from lightning_plugin import cpu_memory
+from lightning_plugin.cpu import memory as cpu_memory
 libc = ctypes.CDLL("libc.so.6")
 assert libc.mallopt(cpu_memory.M_TRIM_THRESHOLD, 128 * 1024) == 1
 assert libc.mallopt(cpu_memory.M_MMAP_THRESHOLD, 128 * 1024) == 1

@@ -1,4 +1,4 @@
-"""The fused optimizer step on a CPU (``lightning_plugin.fused_optimizer``): the same updates as PyTorch's
+"""The fused optimizer step on a CPU (``lightning_plugin.cpu.fused_optimizer``): the same updates as PyTorch's
 default step (float64 as the truth), taken only where the LightningModule left the choice open, and in place
 after a resume restored the optimizer's state."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_plugin
-from lightning_plugin.fused_optimizer import can_fuse, fuse_optimizer_steps
+from lightning_plugin.cpu.fused_optimizer import can_fuse, fuse_optimizer_steps
 
 
 def _net() -> nn.Module:

@@ -18,10 +18,10 @@ from torch import nn
 import lcv_kernels.conv_bn_act
 from lcv_vision.models.resnet import BasicBlock, ResNet
 from lightning_plugin import CompileConfig
-from lightning_plugin.kernel_cache import CACHE_FILE_NAME
-from lightning_plugin.kernel_measurement import MedianTimer
-from lightning_plugin.kernel_selection import MIN_SPEEDUP
-from lightning_plugin.substitution import substituted_modules
+from lightning_plugin.kernel_choice.cache import CACHE_FILE_NAME
+from lightning_plugin.kernel_choice.measurement import MedianTimer
+from lightning_plugin.kernel_choice.selection import MIN_SPEEDUP
+from lightning_plugin.kernel_choice.substitution import substituted_modules
 from selection_helpers import FakeClock, chain, select
 
 

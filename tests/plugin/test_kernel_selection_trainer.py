@@ -21,10 +21,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lcv_vision.models.resnet import BasicBlock, ResNet
-from lightning_plugin import KNOWN_KERNELS, CompileConfig, CompiledStrategy, kernel_selection
+from lightning_plugin import KNOWN_KERNELS, CompileConfig, CompiledStrategy
 from lightning_plugin.callbacks import TrainingMonitor
-from lightning_plugin.kernel_cache import CACHE_DIR_ENV
-from lightning_plugin.substitution import substituted_modules
+from lightning_plugin.kernel_choice import selection as kernel_selection
+from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
+from lightning_plugin.kernel_choice.substitution import substituted_modules
 from selection_helpers import FakeClock, chain
 
 HERE = os.path.dirname(__file__)

@@ -68,7 +68,7 @@ from torchvision.models import convnext, densenet, efficientnet, mobilenetv3, re
 
 from lightning_plugin import CompiledStrategy
 from lightning_plugin.config import KNOWN_KERNELS
-from lightning_plugin.substitution import apply_substitutions
+from lightning_plugin.kernel_choice.substitution import apply_substitutions
 
 BATCH = 4
 STEPS = 2

@@ -26,7 +26,7 @@ from lcv_kernels.tolerances import tolerance
 from lcv_vision.models.airbench import AirbenchNet
 from lcv_vision.models.resnet import BasicBlock, Bottleneck, ResNet
 from lightning_plugin import KNOWN_KERNELS, CompiledStrategy
-from lightning_plugin.substitution import (
+from lightning_plugin.kernel_choice.substitution import (
     PLAN_ATTR,
     apply_substitutions,
     substituted_modules,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lightning_plugin import CompiledStrategy
-from lightning_plugin.kernel_cache import CACHE_DIR_ENV
+from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
 
 pytest.importorskip(
     "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"

@@ -22,7 +22,7 @@ is C++ instead of Python, which saves a few ms per step of interpreter work. tor
 batch 32, fused SGD step, same process, 2-core x86_64): 1.104x -> 1.133x eager; mobilenet_v3_small 1.16x ->
 1.20x; a cold compile takes about 1.7 s longer (one more C++ build per graph).
 
-Graph changes (:mod:`lightning_plugin.cpu_graph_passes`), passed by :class:`CPUTrainingInductor`: for
+Graph changes (:mod:`lightning_plugin.cpu.graph_passes`), passed by :class:`CPUTrainingInductor`: for
 non-overlapping max-pools in channels_last the forward values realised once and a gather in place of torch
 2.14's scatter for the backward, a bias-only conv backward as a fused sum, that bias's gradient through the
 next conv as a weight gradient instead of an input gradient, a wide conv's weight gradient on a tiny map as a
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from lightning_plugin.cpu_graph_passes import graph_pass_options, training_decompositions
+from lightning_plugin.cpu.graph_passes import graph_pass_options, training_decompositions
 
 #: Inductor config patches for CPU training (see the module docstring for the measurements).
 CPU_TRAINING_OPTIONS: dict[str, Any] = {"layout_optimization": False, "cpp_wrapper": True}
@@ -65,7 +65,7 @@ def training_options(
 
 class CPUTrainingInductor(torch._TorchCompileInductorWrapper):
     """``torch.compile``'s Inductor backend (the same ``mode``/``options`` handling and equality) that also
-    gives Inductor :mod:`lightning_plugin.cpu_graph_passes`: its decompositions and its joint-graph pass
+    gives Inductor :mod:`lightning_plugin.cpu.graph_passes`: its decompositions and its joint-graph pass
     (neither where the user installed a joint-graph pass of their own in Inductor's config)."""
 
     def __call__(self, model_: Any, inputs_: Any, *, config_patches: dict[str, Any] | None = None) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
 
-from lightning_plugin.compile_stats import CountingBackend
+from lightning_plugin.compile.stats import CountingBackend
 
 #: Code objects of the strategy's frames that dynamo gave up on in this process.
 _GIVEN_UP: weakref.WeakSet[types.CodeType] = weakref.WeakSet()

@@ -26,9 +26,11 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
-from lightning_plugin import cpu_graph_passes, cpu_inductor, dynamo_cache
-from lightning_plugin.compile_stats import CompileStats, FrameRecord, make_backend
+from lightning_plugin.compile import dynamo_cache
+from lightning_plugin.compile.stats import CompileStats, FrameRecord, make_backend
 from lightning_plugin.config import CompileConfig
+from lightning_plugin.cpu import graph_passes as cpu_graph_passes
+from lightning_plugin.cpu import inductor as cpu_inductor
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class ModuleCompiler:
         self._backend: Callable[..., Any] | None = None
         self._use_eager = False  # compiling failed: eager for the rest of the run
         #: Run the eager forward in training / evaluation mode (set by ``compile="auto"``'s measurement and
-        #: decision, see :mod:`lightning_plugin.compile_decision`); nothing is traced while they are set.
+        #: decision, see :mod:`lightning_plugin.compile.decision`); nothing is traced while they are set.
         self.eager_train = False
         self.eager_eval = False
 
@@ -113,13 +115,13 @@ class ModuleCompiler:
             module.to(memory_format=torch.channels_last)
         kinds = self.config.resolve_kernels(device)
         if kinds:
-            from lightning_plugin.substitution import apply_substitutions
+            from lightning_plugin.kernel_choice.substitution import apply_substitutions
 
             self._substitution_report = apply_substitutions(module, kinds)
             log.info("Kernel substitutions:\n%s", self._substitution_report.summary())
         self._selection = None
         if kinds and self.config.kernels == "auto":
-            from lightning_plugin.kernel_selection import AutoKernelSelection
+            from lightning_plugin.kernel_choice.selection import AutoKernelSelection
 
             self._selection = AutoKernelSelection(
                 module,
@@ -161,7 +163,7 @@ class ModuleCompiler:
         if self._selection is not None:
             self._selection.close()
         if self._substitution_report is not None and module is not None:
-            from lightning_plugin.substitution import undo_substitutions
+            from lightning_plugin.kernel_choice.substitution import undo_substitutions
 
             undo_substitutions(module, self._substitution_report)
         self._substitution_report = None

@@ -60,7 +60,7 @@ def retain_freed_memory() -> bool:
         log.warning("glibc refused M_MMAP_THRESHOLD=%d; only the trim threshold is set", MMAP_THRESHOLD_BYTES)
     _applied = True
     log.info(
-        "glibc keeps up to %d MiB of freed memory for reuse (lightning_plugin.cpu_memory)",
+        "glibc keeps up to %d MiB of freed memory for reuse (lightning_plugin.cpu.memory)",
         TRIM_THRESHOLD_BYTES >> 20,
     )
     return True

@@ -7,7 +7,7 @@ alternating and taking medians, and trains eagerly for the rest of the run when 
 faster. The measured steps still train: only which forward runs changes, and both compute the same maths.
 
 A decision is stored in the per-user decision cache (``$LCV_KERNEL_CACHE_DIR``, see
-:mod:`lightning_plugin.kernel_cache`), keyed by the machine (device, torch version, thread count) and by the
+:mod:`lightning_plugin.kernel_choice.cache`), keyed by the machine (device, torch version, thread count) and by the
 model's signature (module classes, parameter shapes and dtypes, the first batch's shapes, precision, compile
 settings): a later run with an "eager" decision never compiles, one with a "compiled" decision skips the
 measurement. In DDP global rank 0 measures, looks up and stores; every rank follows its decision.
@@ -27,8 +27,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_plugin.compiler import ModuleCompiler
-from lightning_plugin.kernel_cache import DecisionCache, machine_fingerprint
+from lightning_plugin.compile.compiler import ModuleCompiler
+from lightning_plugin.kernel_choice.cache import DecisionCache, machine_fingerprint
 
 CompileMode = Literal["auto", "always", "never"]
 COMPILE_MODES: tuple[str, ...] = ("auto", "always", "never")

@@ -13,14 +13,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_plugin.checkpoint_keys import align_to_module, strip_compile_prefix
-from lightning_plugin.compile_cache import cache_locations, load_compile_cache, save_compile_cache
-from lightning_plugin.compile_decision import CompileDecider, CompileDecision
-from lightning_plugin.compile_stats import CompileStats
-from lightning_plugin.compiler import ModuleCompiler
+from lightning_plugin.compile.cache import cache_locations, load_compile_cache, save_compile_cache
+from lightning_plugin.compile.checkpoint_keys import align_to_module, strip_compile_prefix
+from lightning_plugin.compile.compiler import ModuleCompiler
+from lightning_plugin.compile.decision import CompileDecider, CompileDecision
+from lightning_plugin.compile.stats import CompileStats
 from lightning_plugin.config import CompileConfig
-from lightning_plugin.cpu_memory import retain_freed_memory
-from lightning_plugin.fused_optimizer import fuse_optimizer_steps
+from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
+from lightning_plugin.cpu.memory import retain_freed_memory
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
@@ -152,7 +152,7 @@ class CompiledStrategyMixin(_StrategyBase):
             if report is not None:
                 rank_zero_info(report.summary())
             if self._compiler.selection_pending:
-                from lightning_plugin.kernel_selection import MIN_SPEEDUP
+                from lightning_plugin.kernel_choice.selection import MIN_SPEEDUP
 
                 rank_zero_info(
                     "kernels='auto': these rewrites are candidates; the first forward measures each against "
@@ -161,7 +161,7 @@ class CompiledStrategyMixin(_StrategyBase):
 
     @override
     def on_train_start(self) -> None:
-        """On a CPU: the fused optimizer step (:mod:`lightning_plugin.fused_optimizer`) and one line on
+        """On a CPU: the fused optimizer step (:mod:`lightning_plugin.cpu.fused_optimizer`) and one line on
         the CPU tuning. Here: after a resume restored the optimizer's state (and its groups' settings)."""
         super().on_train_start()
         module = self.lightning_module

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from lcv_kernels.tolerances import tolerance
-from lightning_plugin.substitution import Replacement, SubstitutionReport, undo_substitutions
+from lightning_plugin.kernel_choice.substitution import Replacement, SubstitutionReport, undo_substitutions
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""``import lightning_plugin`` leaves ``pytorch_lightning`` alone: a user's logging settings for
+``lightning.pytorch`` hold, and our names reach ``pytorch_lightning``'s registry only where the user imports it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TRAINER = textwrap.dedent(
+    """
+    import logging, sys
+    import lightning.pytorch as L  # its import sets the level of its logger: the user's setting comes after
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    {before}
+    import lightning_plugin
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    {after}
+    print("pytorch_lightning imported:", "pytorch_lightning" in sys.modules)
+    """
+)
+
+
+def _run(code: str, hide_pytorch_lightning: bool = False, tmp_path=None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if hide_pytorch_lightning:  # as if it were not installed
+        (tmp_path / "pytorch_lightning").mkdir()
+        (tmp_path / "pytorch_lightning" / "__init__.py").write_text(
+            "raise ModuleNotFoundError(\"No module named 'pytorch_lightning'\", name='pytorch_lightning')\n"
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["pytorch_lightning installed", "not installed"])
+def test_the_users_logging_level_for_lightning_holds(installed, tmp_path):
+    if installed:
+        pytest.importorskip("pytorch_lightning")
+    proc = _run(TRAINER.format(before="", after=""), hide_pytorch_lightning=not installed, tmp_path=tmp_path)
+    assert "pytorch_lightning imported: False" in proc.stdout
+    assert "GPU available" not in proc.stdout + proc.stderr  # the Trainer's start-up lines stay silenced
+
+
+@pytest.mark.parametrize("order", ["user imports it after us", "user imported it before us"])
+def test_our_names_reach_pytorch_lightning_when_the_user_imports_it(order):
+    pytest.importorskip("pytorch_lightning")
+    check = (
+        "import pytorch_lightning\n"
+        "from pytorch_lightning.strategies import StrategyRegistry\n"
+        "print('registered:', 'compiled' in StrategyRegistry and 'compiled_ddp' in StrategyRegistry)"
+    )
+    if order == "user imports it after us":
+        code = "import lightning_plugin\n" + check
+    else:
+        code = "import pytorch_lightning\nimport lightning_plugin\n" + check
+    assert "registered: True" in _run(code).stdout
+
+
+def test_without_the_users_import_nothing_is_registered_there():
+    pytest.importorskip("pytorch_lightning")
+    code = "import sys, lightning_plugin\nprint('imported:', 'pytorch_lightning' in sys.modules)"
+    assert "imported: False" in _run(code).stdout
