@@ -10,7 +10,6 @@ built on its bases; this package never imports it itself (``lightning_plugin.pyt
 
 from __future__ import annotations
 
-
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_plugin.compile.stats import CompileStats
