@@ -139,6 +139,9 @@ class CompiledStrategyMixin(_StrategyBase):
         if self._compiler.config.compile == "never":
             self._begin_decision(module)
             return
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != "fit" and not self._compiler.config.compile_eval:
+            return  # validate/test/predict run the eager forward (compile_eval=False): nothing to compile
         self._load_compile_cache(module)
         if self._compiler.compile(module, self.root_device):
             self._begin_decision(module)
@@ -172,7 +175,7 @@ class CompiledStrategyMixin(_StrategyBase):
         if self._compiler.inductor_options.get("cpp_wrapper"):
             applied.append("Inductor's C++ wrapper, no layout optimisation, CPU graph passes")
         if fused:
-            applied.append(f"fused {'/'.join(fused)} step")
+            applied.append(f"fused {'/'.join(fused)} step (fused=True in the optimizer's settings)")
         if retain_freed_memory():  # set at compile time; answers from its once-per-process result
             applied.append("glibc keeps freed memory")
         if applied:

@@ -498,7 +498,10 @@ class CPUTrainingGraphPass(CustomGraphPass):
 
 @functools.cache
 def source_hash() -> str:
-    return "lcv-cpu-training-" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """A hash of this file and of its module path: Inductor's cached graphs pickle references to this module,
+    so a cache written before a move (``lightning_plugin.cpu_graph_passes``) must not be looked up after it."""
+    digest = hashlib.sha256(Path(__file__).read_bytes() + __name__.encode())
+    return "lcv-cpu-training-" + digest.hexdigest()[:16]
 
 
 def graph_pass_options() -> dict[str, Any]:

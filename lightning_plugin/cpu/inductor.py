@@ -35,6 +35,7 @@ A user's ``mode`` or ``options`` win: the strategy applies none of this when eit
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,25 @@ from lightning_plugin.cpu.graph_passes import graph_pass_options, training_decom
 
 #: Inductor config patches for CPU training (see the module docstring for the measurements).
 CPU_TRAINING_OPTIONS: dict[str, Any] = {"layout_optimization": False, "cpp_wrapper": True}
+
+
+class _NoCUDARuntimeNotice(logging.Filter):
+    """Drops ``torch.utils.cpp_extension``'s "No CUDA runtime is found" notice, which a CUDA build of torch logs
+    on a machine without a GPU when Inductor's C++ wrapper first builds: it concerns CUDA extensions, and a CPU
+    compile needs none. Every other message of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+def quiet_cpp_extension_notice() -> None:
+    """Install the filter above on ``torch.utils.cpp_extension``'s logger, once."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _NoCUDARuntimeNotice) for f in logger.filters):
+        logger.addFilter(_NoCUDARuntimeNotice())
+
+
+quiet_cpp_extension_notice()
 
 
 def training_options(

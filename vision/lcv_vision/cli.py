@@ -70,6 +70,10 @@ class LcvError(ValueError):
 #: Lightning info lines ``lcv`` does not show: an advertisement and notes about its own internals.
 _NOT_SHOWN = (
     "litlogger",
+    "GPU available: ",  # the device is in lcv's plan line
+    "TPU available: ",
+    "HPU available: ",
+    "Seed set to ",  # the seed is in the saved config.yaml
     "Trainer already configured with model summary callbacks",
     "to estimate number of stepping batches",
 )
@@ -86,9 +90,10 @@ def _quiet_lightning() -> None:
         def filter(self, record: logging.LogRecord) -> bool:
             return not any(text in str(record.msg) for text in _NOT_SHOWN)
 
-    for handler in logging.getLogger("lightning.pytorch").handlers:
-        if not any(isinstance(f, _NoTips) for f in handler.filters):
-            handler.addFilter(_NoTips())
+    for logger in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(logger).handlers:
+            if not any(isinstance(f, _NoTips) for f in handler.filters):
+                handler.addFilter(_NoTips())
 
 
 # ------------------------------------------------------------------------------------------- the CLI
@@ -274,7 +279,31 @@ class LcvCLI(LightningCLI):
                 warnings.filterwarnings(
                     "ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last'
                 )
+            if self.trainer.is_global_zero:
+                print(self.plan_line(model, datamodule, ckpt_path), flush=True)
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+    def plan_line(self, model: LightningModule, datamodule: Any, ckpt_path: Any) -> str:
+        """One line before training: recipe, model, data, device and how the strategy compiles."""
+        trainer = self.trainer
+        hparams = getattr(model, "hparams", {})
+        data = type(datamodule).__name__ if datamodule is not None else "the model's own loaders"
+        root = getattr(datamodule, "root", None)
+        if root:
+            data += f" from {root}"
+        config = getattr(trainer.strategy, "compile_config", None)
+        if config is None:
+            compiling = f"strategy {type(trainer.strategy).__name__} (not compiled by lcv)"
+        elif config.compile == "auto":
+            compiling = "compile='auto' (times compiled and eager steps at the start and keeps the faster)"
+        else:
+            compiling = f"compile={config.compile!r}"
+        resume = f", resuming {ckpt_path}" if ckpt_path else ""
+        return (
+            f"lcv fit: recipe {self.recipe.name}, model {hparams.get('model', '?')}, {trainer.max_epochs} "
+            f"epoch(s), data {data}, device {trainer.strategy.root_device}, precision {trainer.precision}; "
+            f"{compiling}{resume}"
+        )
 
     def predict(self, model: LightningModule, datamodule: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("return_predictions", True)

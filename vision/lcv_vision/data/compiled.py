@@ -21,6 +21,9 @@ import torch
 from torch import Tensor
 
 from lcv_vision.data.ops import BatchOp, Params
+from lightning_plugin.cpu.inductor import quiet_cpp_extension_notice
+
+quiet_cpp_extension_notice()  # the C++ wrapper's first build logs a CUDA notice that concerns no CPU graph
 
 #: The torch.compile backend (tests put a failing one here to check the eager fallback).
 BACKEND: str | Callable[..., Any] = "inductor"
