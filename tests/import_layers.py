@@ -121,13 +121,15 @@ def layer_violations(root: Path, layers: tuple[str, ...] = LAYERS) -> list[str]:
     return problems
 
 
-def import_cycles(root: Path, packages: tuple[str, ...] = LAYERS) -> list[list[str]]:
-    """Every cycle of module-level imports between modules of the tree, as its strongly connected component
-    (sorted names), found with Tarjan's algorithm."""
+def import_cycles(
+    root: Path, packages: tuple[str, ...] = LAYERS, include_lazy: bool = False
+) -> list[list[str]]:
+    """Every cycle of module-level imports (with ``include_lazy``, of any imports) between modules of the tree,
+    as its strongly connected component (sorted names), found with Tarjan's algorithm."""
     known = set(module_names(root, packages))
     graph: dict[str, set[str]] = {name: set() for name in known}
     for imp in imports(root, packages):
-        if imp.module_level and imp.imported in known and imp.imported != imp.importer:
+        if (imp.module_level or include_lazy) and imp.imported in known and imp.imported != imp.importer:
             graph[imp.importer].add(imp.imported)
 
     index: dict[str, int] = {}

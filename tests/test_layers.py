@@ -21,6 +21,24 @@ def test_no_module_level_import_cycles():
     assert import_cycles(REPO) == []
 
 
+def test_no_import_cycles_at_all_not_even_through_lazy_imports():
+    """A lazy import cannot meet a half-initialised module, but a pair of modules that import each other is
+    still one concern split in two (``lcv_kernels._common`` and ``_triton`` were such a pair)."""
+    assert import_cycles(REPO, include_lazy=True) == []
+
+
+def test_a_planted_lazy_cycle_is_found_only_when_asked(tmp_path):
+    root = _plant(
+        tmp_path,
+        {
+            "kernels/lcv_kernels/a.py": "def f():\n    from lcv_kernels import b\n",
+            "kernels/lcv_kernels/b.py": "from lcv_kernels import a\n",
+        },
+    )
+    assert import_cycles(root) == []
+    assert import_cycles(root, include_lazy=True) == [["lcv_kernels.a", "lcv_kernels.b"]]
+
+
 def test_the_checker_sees_the_real_imports():
     """A parser that found nothing would pass the two tests above; it must see known edges of every kind."""
     assert len(module_names(REPO)) > 50

@@ -5,6 +5,7 @@ Kept free of Triton so the PyTorch references (and a machine without Triton) nev
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -27,10 +28,15 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
 def triton_available() -> bool:
-    from lcv_kernels._triton import TRITON_IMPORT_ERROR
-
-    return TRITON_IMPORT_ERROR is None
+    """Whether ``import triton`` works; tried once, when a kernel is first asked for (the references never
+    import Triton). Asked here, not of ``_triton``, which imports this module: no import cycle, even a lazy one."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def use_triton(t: torch.Tensor) -> bool:
