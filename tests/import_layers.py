@@ -121,6 +121,43 @@ def layer_violations(root: Path, layers: tuple[str, ...] = LAYERS) -> list[str]:
     return problems
 
 
+#: Inside ``lightning_plugin``: which folders each folder may import (``top`` = the modules directly in
+#: ``lightning_plugin/``; each folder may import itself). ``__init__`` and the ``pytorch_lightning`` support module
+#: are the public face and register the strategies, so they are exempt; the old paths forward lazily.
+PLUGIN_FOLDERS: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"top"}),
+    "blocks": frozenset({"top"}),
+    "kernel_choice": frozenset({"top", "blocks", "cpu"}),
+    "compile": frozenset({"top", "blocks", "cpu", "kernel_choice"}),
+    "callbacks": frozenset({"top", "blocks", "cpu", "compile", "kernel_choice"}),
+    "strategies": frozenset({"top", "blocks", "cpu", "compile", "kernel_choice", "callbacks"}),
+    "top": frozenset({"top"}),
+}
+_PLUGIN_FACE = {"lightning_plugin", "lightning_plugin.pytorch_lightning_support"}
+
+
+def plugin_folder(module: str) -> str | None:
+    """The folder of ``lightning_plugin`` that holds ``module`` (``top`` for its own modules), else None."""
+    parts = module.split(".")
+    if parts[0] != "lightning_plugin" or module in _PLUGIN_FACE:
+        return None
+    return parts[1] if len(parts) >= 2 and parts[1] in PLUGIN_FOLDERS and parts[1] != "top" else "top"
+
+
+def folder_violations(root: Path) -> list[str]:
+    """One line per import, inside ``lightning_plugin``, of a folder the importer's folder may not import."""
+    problems = []
+    for imp in imports(root):
+        src, dst = plugin_folder(imp.importer), plugin_folder(imp.imported)
+        if src is None or dst is None or dst == src or dst in PLUGIN_FOLDERS[src]:
+            continue
+        problems.append(
+            f"{imp.importer} (line {imp.line}) imports {imp.imported}: lightning_plugin/{src}/ may import only "
+            f"{', '.join(sorted(PLUGIN_FOLDERS[src]))} (docs/architecture.md, Layers and folders)"
+        )
+    return problems
+
+
 def import_cycles(
     root: Path, packages: tuple[str, ...] = LAYERS, include_lazy: bool = False
 ) -> list[list[str]]:

@@ -8,13 +8,42 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from import_layers import FOLDERS, LAYERS, Import, import_cycles, imports, layer_violations, module_names
+from import_layers import (
+    FOLDERS,
+    LAYERS,
+    Import,
+    folder_violations,
+    import_cycles,
+    imports,
+    layer_violations,
+    module_names,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_packages_respect_the_layers():
     assert layer_violations(REPO) == []
+
+
+def test_the_plugins_folders_import_only_what_they_may():
+    assert folder_violations(REPO) == []
+
+
+def test_a_planted_folder_violation_is_reported(tmp_path):
+    root = _plant(
+        tmp_path,
+        {
+            "lightning_plugin/cpu/__init__.py": "",
+            "lightning_plugin/cpu/memory.py": "from lightning_plugin.strategies import single_device\n",
+            "lightning_plugin/strategies/__init__.py": "",
+            "lightning_plugin/strategies/single_device.py": "from lightning_plugin.cpu import memory\n",
+        },
+    )
+    problems = folder_violations(root)
+    assert len(problems) == 1 and problems[0].startswith("lightning_plugin.cpu.memory (line 1) imports"), (
+        problems
+    )
 
 
 def test_no_module_level_import_cycles():
