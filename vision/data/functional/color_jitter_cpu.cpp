@@ -224,19 +224,19 @@ void jitter_sample(const T* src, Strides si, float* dst, Strides so, int64_t cha
   }
   for (int64_t start = 0; start < pixels; start += kTile) {
     const int64_t n = std::min(kTile, pixels - start);
+    float* kept[3] = {nullptr, nullptr, nullptr};  // this tile of pass 1's output, worked on where it is
+    float* const* planes = tile;
     if (prefix) {
-      for (int64_t c = 0; c < channels; ++c) {
-        const float* from = scratch.data() + c * pixels + start;
-        std::copy(from, from + n, tile[c]);
-      }
+      for (int64_t c = 0; c < channels; ++c) kept[c] = scratch.data() + c * pixels + start;
+      planes = kept;
     } else {
       for_segments(start, n, width, [&](int64_t h, int64_t w0, int64_t len, int64_t off) {
         load_row(src, si, channels, h, w0, len, tile, off);
       });
     }
-    run_steps(s, first, s.count, tile, channels, n, mean);
+    run_steps(s, first, s.count, planes, channels, n, mean);
     for_segments(start, n, width, [&](int64_t h, int64_t w0, int64_t len, int64_t off) {
-      store_row(dst, so, channels, h, w0, len, tile, off, scale, bias);
+      store_row(dst, so, channels, h, w0, len, planes, off, scale, bias);
     });
   }
 }
