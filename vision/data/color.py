@@ -53,7 +53,8 @@ class ColorJitter(BatchOp):
     Defaults follow albumentations (``brightness=contrast=saturation=(0.8, 1.2)``, ``hue=(-0.5, 0.5)``,
     ``p=0.5``); a scalar ``v`` means ``[max(0, 1 - v), 1 + v]`` (``[-v, v]`` for hue), so torchvision-style
     ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` works too.  Samples not picked with ``p`` are left unchanged.
-    Returns float32 in 0..255 units.
+    Returns float32 in 0..255 units.  On CPU tensors it runs as a C++ kernel (built on first use, see
+    :mod:`vision.data.functional.color_jitter_cpu`), elsewhere (or without a compiler) as torch ops.
     """
 
     def __init__(
