@@ -14,8 +14,9 @@ to S x S (quality 90) so that decoding costs what it does on ImageNet-sized file
 The sides alternate (one pass each, in turn, ``--repeats`` times) so that load from other processes hits all
 alike; each figure is the median of the timed passes after a warm-up pass (which includes our compile), and
 each ratio is the median of the per-repeat ratios.  ``--cpu-time`` adds the single-thread CPU time per image
-of the augmentation alone (no loader, no decode): albumentations, ours eager and ours compiled; thread CPU
-time barely moves when other processes share the cores.
+of the augmentation alone (no loader, no decode): albumentations, ours eager and ours compiled (on the CPU
+both run the colour jitter as its C++ kernel, ``vision/lcv_vision/data/functional/color_jitter_cpu.py``, when it
+builds); thread CPU time barely moves when other processes share the cores.
 
 GPU rows run when CUDA is available (otherwise "not measured on GPU"), every side on a uint8 store resident
 there: ours compiled at several batch sizes and eager, torchvision v2 per sample, kornia batched; each rate

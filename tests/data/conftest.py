@@ -54,3 +54,12 @@ def _photo_patches(n: int, size: int = 32) -> torch.Tensor:
 def compiled(request) -> bool:
     """Run a pipeline test on both paths: the eager ops and the ops compiled into one graph."""
     return request.param
+
+
+@pytest.fixture
+def torch_color_jitter(monkeypatch) -> None:
+    """ColorJitter on the CPU as if its C++ kernel could not be built: the torch ops (eager, or compiled in
+    the pipeline's graph), for the tests of those paths."""
+    from lcv_vision.data.functional import color_jitter_cpu
+
+    monkeypatch.setattr(color_jitter_cpu, "_state", {"module": None})

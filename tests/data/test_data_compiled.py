@@ -27,6 +27,10 @@ from lcv_vision.data import (
     VerticalFlip,
 )
 
+#: The compiled graph is what these tests check: on the CPU the colour jitter would otherwise run as the C++
+#: kernel between compiled runs of the other ops (tests/data/test_data_jitter_cpp.py checks that kernel).
+pytestmark = pytest.mark.usefixtures("torch_color_jitter")
+
 #: Integer ops only: crops with every border mode, flips, grayscale on uint8, holes with whole-number fills.
 INTEGER_OPS = [
     PadIfNeeded(36, 34, "symmetric"),

@@ -13,7 +13,7 @@ import lcv_vision.data.compiled as compiled_module
 cv2 = pytest.importorskip("cv2")
 
 from lcv_vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RaggedBatch, RandomResizedCrop
-from lcv_vision.data.functional import geometry
+from lcv_vision.data.functional import color_jitter_cpu, geometry
 from lcv_vision.data.functional.geometry import gather_resample, resample_tables, resize_boxes
 
 
@@ -159,25 +159,50 @@ def test_a_dropped_batch_memory_is_reused_without_page_faults(real_images):
     assert faults < pages // 2, f"{faults} page faults for an output of {pages} pages"
 
 
-def test_the_compiled_cpu_graph_output_is_copied_into_the_batch_once(real_images, monkeypatch):
-    """Large outputs: the graph's float planes go into the channels_last output in one copy (ATen converts
-    dtype and layout in the same pass), not a converted copy first and then a second one."""
+def _full_size_copies(pipe: Pipeline, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The pipeline's output for ``x`` (seed 1, after a compiling call) and the shapes of the ``aten::copy_``
+    calls of its image size that it made."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the row slices run here, in this thread
-    pipe = Pipeline([ColorJitter(p=1.0), Normalize()])  # 100 x 100: a large, chunked output
-    x = torch.nn.functional.interpolate(real_images[:6].float(), size=100).round().byte()
     pipe(x, generator=torch.Generator().manual_seed(0))  # compiles
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out, _ = pipe(x, generator=torch.Generator().manual_seed(1))
-    full_size_copies = [
+    size = list(x.shape[-2:])
+    copies = [
         e.input_shapes[0]
         for e in prof.events()
-        if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0][-2:] == [100, 100]
+        if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0][-2:] == size
     ]
+    return out, copies
+
+
+def test_the_compiled_cpu_graph_output_is_copied_into_the_batch_once(
+    real_images, monkeypatch, torch_color_jitter
+):
+    """Large outputs: the graph's float planes go into the channels_last output in one copy (ATen converts
+    dtype and layout in the same pass), not a converted copy first and then a second one."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the row slices run here, in this thread
+    pipe = Pipeline([ColorJitter(p=1.0), Normalize()])  # 100 x 100: a large, chunked output
+    x = torch.nn.functional.interpolate(real_images[:6].float(), size=100).round().byte()
+    out, full_size_copies = _full_size_copies(pipe, x)
     assert out.is_contiguous(memory_format=torch.channels_last) and not pipe._compile_failed
     # The input goes into the graph as it is: the only full-size copy is the graph's output into `out`.
     assert sum(shape[0] for shape in full_size_copies) == 6, full_size_copies
+    ref, _ = Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_the_cpp_jitter_writes_straight_into_the_batch(real_images, monkeypatch):
+    """With the C++ colour jitter, the jitter and the folded normalize store into the channels_last output
+    themselves: not one full-size copy."""
+    if color_jitter_cpu.kernel() is None:
+        pytest.skip("the C++ colour jitter kernel could not be built here")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    pipe = Pipeline([ColorJitter(p=1.0), Normalize()])
+    x = torch.nn.functional.interpolate(real_images[:6].float(), size=100).round().byte()
+    out, full_size_copies = _full_size_copies(pipe, x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert full_size_copies == []
     ref, _ = Pipeline(pipe.ops, compile=False)(x, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 

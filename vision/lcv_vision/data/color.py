@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lcv_vision.data.functional import color_jitter_cpu
 from lcv_vision.data.functional.color import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -52,7 +53,8 @@ class ColorJitter(BatchOp):
     Defaults follow albumentations (``brightness=contrast=saturation=(0.8, 1.2)``, ``hue=(-0.5, 0.5)``,
     ``p=0.5``); a scalar ``v`` means ``[max(0, 1 - v), 1 + v]`` (``[-v, v]`` for hue), so torchvision-style
     ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` works too.  Samples not picked with ``p`` are left unchanged.
-    Returns float32 in 0..255 units.
+    Returns float32 in 0..255 units.  On CPU tensors it runs as a C++ kernel (built on first use, see
+    :mod:`lcv_vision.data.functional.color_jitter_cpu`), elsewhere (or without a compiler) as torch ops.
     """
 
     def __init__(
@@ -102,10 +104,37 @@ class ColorJitter(BatchOp):
             params.update(normalize_scale=scale.repeat(n, 1), normalize_bias=bias.repeat(n, 1))
         return params
 
+    def compiles_on(self, device: torch.device) -> bool:
+        # On the CPU the C++ kernel (when it builds) beats Inductor's code for the fixed step sequence: it
+        # runs each sample's own steps only, tile by tile in the cache (see functional.color_jitter_cpu).
+        return device.type != "cpu" or color_jitter_cpu.kernel() is None
+
+    def apply_into(self, images: Tensor, params: Params, out: Tensor) -> bool:
+        """On the CPU: the jitter and the folded normalize by the C++ kernel, stored straight into ``out``."""
+        if images.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        brightness, contrast, saturation, hue, order = (params[k] for k in _JITTER_PARAMS)
+        return color_jitter_cpu.color_jitter_into(
+            images,
+            out,
+            brightness,
+            contrast,
+            saturation,
+            hue,
+            order,
+            params.get("normalize_scale"),
+            params.get("normalize_bias"),
+            apply_hue=self.hue != (0.0, 0.0),
+        )
+
     def apply(self, images: Tensor, params: Params) -> Tensor:
         """The jitter, then the normalize folded into it if any (``normalize_scale``/``normalize_bias``)."""
         with_hue = self.hue != (0.0, 0.0)
         scale, bias = params.get("normalize_scale"), params.get("normalize_bias")
+        if images.device.type == "cpu" and not torch.compiler.is_compiling():
+            out = torch.empty(images.shape, dtype=torch.float32)
+            if self.apply_into(images, params, out):
+                return out
         if not torch.compiler.is_compiling():  # eagerly: skips per sample what it does not need
             brightness, contrast, saturation, hue, order = (params[k] for k in _JITTER_PARAMS)
             out = color_jitter(images, brightness, contrast, saturation, hue, order, apply_hue=with_hue)

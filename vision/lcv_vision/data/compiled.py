@@ -47,7 +47,11 @@ def ops_runner(ops: Sequence[BatchOp], finish: Callable[[Tensor], Tensor] | None
         x: Any, params: list[Params], index: Tensor | None, targets: Tensor | None, out: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         for i, (op, p) in enumerate(zip(ops, params)):
-            if i == 0 and index is not None:  # the pipeline passes index only to a first op that fuses_gather
+            gathers = i == 0 and index is not None  # index goes only to a first op that fuses_gather
+            if out is not None and i == len(ops) - 1 and not gathers and not op.mixes_targets:
+                if op.apply_into(x, p, out):
+                    return out, targets  # the op stored its output in ``out`` itself (no copy)
+            if gathers:
                 x = cast(_GatheringOp, op).apply(x, p, index=index)
             else:
                 x = op.apply(x, p)

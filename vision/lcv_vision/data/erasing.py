@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lcv_vision.data.functional.erasing import fill_holes
+from lcv_vision.data.functional.geometry import sqrt_params
 from lcv_vision.data.ops import BatchOp, Params, bernoulli, check_p
 
 
@@ -114,8 +115,8 @@ class Erasing(BatchOp):
         hi = torch.clamp(w * w / area, max=r_hi)
         active &= lo <= hi
         aspect = lo + u[:, 1] * (hi - lo).clamp_min(0)
-        hh = torch.round(torch.sqrt(area / aspect)).clamp(0, h)
-        ww = torch.round(torch.sqrt(area * aspect)).clamp(0, w)
+        hh = torch.round(sqrt_params(area / aspect)).clamp(0, h)
+        ww = torch.round(sqrt_params(area * aspect)).clamp(0, w)
         top = torch.floor(u[:, 2] * (h - hh + 1))
         left = torch.floor(u[:, 3] * (w - ww + 1))
         holes = torch.stack((left, top, left + ww, top + hh), dim=-1).long() * active.view(n, 1)

@@ -131,6 +131,11 @@ class BatchOp:
     def apply(self, images: Any, params: Params) -> Tensor:
         raise NotImplementedError
 
+    def apply_into(self, images: Any, params: Params, out: Tensor) -> bool:
+        """Write :meth:`apply`'s result, in ``out``'s dtype and layout, into ``out`` and return True; False
+        (nothing written) where this op cannot, the default: the pipeline then copies ``apply``'s."""
+        return False
+
     def compiles_on(self, device: torch.device) -> bool:
         """Whether the pipeline compiles this op's ``apply`` for images on ``device`` (default:
         ``compilable``)."""

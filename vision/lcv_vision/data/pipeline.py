@@ -320,8 +320,7 @@ class Pipeline:
         def run_rows(rows: slice) -> None:
             x = source if index is not None else source[rows]
             part = [{k: v[rows] for k, v in p.items()} for p in prepared]
-            y, _ = ops_runner(ops, None)(x, part, index[rows] if index is not None else None, None)
-            out[rows].copy_(y)
+            ops_runner(ops, None)(x, part, index[rows] if index is not None else None, None, out[rows])
 
         self._map_rows(out.shape[0], chunk, run_rows)
 

@@ -308,6 +308,18 @@ def _grid_sample(images: Tensor, ys: Tensor, xs: Tensor) -> Tensor:
     )
 
 
+def sqrt_params(x: Tensor) -> Tensor:
+    """``torch.sqrt`` of a float64 parameter tensor, by numpy on the CPU (the same correctly rounded values).
+
+    ATen's float64 sqrt on the CPU is MKL's ``vdSqrt``, which opens an OpenMP parallel region even for a few
+    hundred values; its threads then spin for a while at the end of it, on the cores the loader's decode
+    and augmentation threads need (a third of the ImageNet-style loader's CPU samples on a 2-core machine).
+    """
+    if x.device.type != "cpu":
+        return torch.sqrt(x)
+    return torch.from_numpy(np.sqrt(x.numpy()))
+
+
 def random_resized_crop_params(
     heights: Tensor,
     widths: Tensor,
@@ -333,8 +345,8 @@ def random_resized_crop_params(
     aspect = torch.exp(
         torch.rand(n, attempts, generator=generator, dtype=torch.float64) * (log_hi - log_lo) + log_lo
     )
-    w = torch.round(torch.sqrt(target * aspect))  # round half to even, as Python's round()
-    h = torch.round(torch.sqrt(target / aspect))
+    w = torch.round(sqrt_params(target * aspect))  # round half to even, as Python's round()
+    h = torch.round(sqrt_params(target / aspect))
     ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
     first = ok.to(torch.int8).argmax(dim=1, keepdim=True)
     found = ok.any(dim=1)
