@@ -21,14 +21,14 @@ from lightning_plugin.kernel_cache import CACHE_FILE_NAME
 from lightning_plugin.kernel_measurement import MedianTimer
 from lightning_plugin.kernel_selection import MIN_SPEEDUP
 from lightning_plugin.substitution import substituted_modules
-from selection_helpers import FakeClock, chain, select
+from selection_helpers import FakeClock, chain, select, use_reference_ops
 from vision.models.resnet import BasicBlock, ResNet
 
 
 @pytest.fixture
 def reference_ops(monkeypatch):
     """The fused ops on their PyTorch references, for tests about the selection's structure, not numerics."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    use_reference_ops(monkeypatch)  # and no oneDNN: see its docstring
 
 
 def test_choices_follow_the_timings(tmp_path):

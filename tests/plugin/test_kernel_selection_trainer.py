@@ -24,7 +24,7 @@ from lightning_plugin import KNOWN_KERNELS, CompileConfig, CompiledStrategy, ker
 from lightning_plugin.callbacks import TrainingMonitor
 from lightning_plugin.kernel_cache import CACHE_DIR_ENV
 from lightning_plugin.substitution import substituted_modules
-from selection_helpers import FakeClock, chain
+from selection_helpers import FakeClock, chain, use_reference_ops
 from vision.models.resnet import BasicBlock, ResNet
 
 HERE = os.path.dirname(__file__)
@@ -33,7 +33,7 @@ HERE = os.path.dirname(__file__)
 @pytest.fixture
 def reference_ops(monkeypatch):
     """The fused ops on their PyTorch references: these tests are about the flow, not the kernels."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    use_reference_ops(monkeypatch)  # and no oneDNN: see its docstring
 
 
 # ---------------------------------------------------------------------------------------------------------
