@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 import statistics
 import time
 import types
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from kernels.tolerances import tolerance
+from kernels.tolerances import reduction_tolerance, tolerance
 from lightning_plugin.substitution import Replacement, SubstitutionReport, undo_substitutions
 
 
@@ -198,16 +199,19 @@ def measure_block(
 
     fused = _in_mode(copy.deepcopy(fused_base), training)
     fused_call = compile_fn(_fresh_caller())
+    reduction = _longest_reduction(inputs)
     problem = _compare(
         _run(fused_call, fused, inputs, training, seed),
         _run(_call_module, _in_mode(copy.deepcopy(plain_base), training), inputs, training, seed, True),
         signature,
+        reduction,
     )
     if problem is None:  # the other mode, eagerly: our ops are opaque to Inductor, so numerics are the same
         problem = _compare(
             _run(_call_module, _in_mode(copy.deepcopy(fused_base), not training), inputs, True, seed),
             _run(_call_module, _in_mode(copy.deepcopy(plain_base), not training), inputs, True, seed, True),
             signature,
+            reduction,
         )
         if problem is not None:
             problem = f"{'eval' if training else 'train'} mode: {problem}"
@@ -368,11 +372,18 @@ def _step(
 
 
 def _compare(
-    fused: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], signature: BlockSignature
+    fused: dict[str, torch.Tensor],
+    eager: dict[str, torch.Tensor],
+    signature: BlockSignature,
+    reduction: int = 1,
 ) -> str | None:
-    """The first quantity where the fused block differs from eager beyond tolerance, or None."""
+    """The first quantity where the fused block differs from eager beyond tolerance, or None.
+
+    The tolerance is the larger of the table's for the family and dtype and the one that grows with the
+    block's longest sum, ``reduction`` terms (:func:`kernels.tolerances.reduction_tolerance`)."""
     family = "conv" if "conv" in signature.kind else "norm"
     dtype = _tolerance_dtype(signature, next(iter(eager.values())).device)
+    by_length = reduction_tolerance(dtype, reduction)
     missing = sorted(set(fused) ^ set(eager))
     if missing:
         return f"{missing[0]} exists on one side only"
@@ -383,7 +394,8 @@ def _compare(
             return f"{name} is {got}, eager gives {want}"
         if expected.numel() == 0:
             continue
-        atol, rtol = tolerance(f"{family}_grad" if name.startswith("gradient") else family, dtype)
+        table = tolerance(f"{family}_grad" if name.startswith("gradient") else family, dtype)
+        atol, rtol = max(table[0], by_length[0]), max(table[1], by_length[1])
         a, e = actual.double(), expected.double()
         if not torch.isfinite(a).all() and torch.isfinite(e).all():
             return f"{name} is not finite"
@@ -392,6 +404,14 @@ def _compare(
         if error > bound:
             return f"{name} differs by {error:.3g} (tolerance {bound:.3g})"
     return None
+
+
+def _longest_reduction(inputs: InputSpec) -> int:
+    """The longest sum in a conv or norm block's forward and backward: over batch and space (N*H*W, a
+    weight gradient or BatchNorm's statistics) for the largest input; the forward's C*R*S is shorter in the
+    blocks we rewrite."""
+    shapes = [t.shape for t in inputs if isinstance(t, TensorSpec) and len(t.shape) >= 2]
+    return max((math.prod(s) // s[1] for s in shapes if s[1]), default=1) or 1
 
 
 def _tolerance_dtype(signature: BlockSignature, device: torch.device) -> torch.dtype:
