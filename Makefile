@@ -18,8 +18,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/lcv fit --recipe digits-small
 
+# Two pytest-xdist workers (one per core of a CI runner), each with one torch thread (tests/conftest.py);
+# --dist loadgroup keeps a file marked xdist_group (an expensive module fixture) on one worker.
 test: lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -33,7 +33,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -530,7 +530,10 @@ def main() -> None:
                 "note": step.dry_run_skip,
             }
         else:
-            row = run_step(step, argv, deadline, out_dir, log_dir, env)
+            # A dry run checks that each step works, not how long it takes: on a busy CPU a step's GPU-sized
+            # cap would kill it, so only the whole run's budget holds.
+            capped = replace(step, cap_s=int(budget)) if args.dry_run else step
+            row = run_step(capped, argv, deadline, out_dir, log_dir, env)
         summary["steps"].append(row)
         summary["elapsed_s"] = round(time.time() - started, 1)
         hand_over(out_dir, summary, results_dir, log_dir)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two threads in a serial run; one per pytest-xdist worker (`make test` runs two), so two workers do not
+# oversubscribe a 2-core machine (OpenMP threads spin-wait at barriers).
+os.environ.setdefault("OMP_NUM_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2")
 
 import logging
 

@@ -6,7 +6,8 @@ fused by it); the baseline is the same block with the rewrite undone, compiled b
 the rest of the model runs under Inductor too (eager would flatter the fused block). Rewritten blocks nested
 inside the measured one are undone on both sides, so the ratio is the measured block's own.
 
-Correctness is checked against the eager block in both train and eval mode (a model that trains also
+Correctness is checked against the eager block (in float64 for an fp32 block on the CPU, see ``_run``) in
+both train and eval mode (a model that trains also
 validates): outputs, the gradients of the input and of every parameter, and the buffers after the forward
 (BatchNorm running statistics), with the bound ``atol + rtol * max|reference|`` from
 :mod:`lcv_kernels.tolerances` for the compute dtype.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 import statistics
 import time
 import types
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lcv_kernels.tolerances import tolerance
+from lcv_kernels.tolerances import reduction_tolerance, tolerance
 from lightning_plugin.kernel_choice.substitution import Replacement, SubstitutionReport, undo_substitutions
 
 
@@ -197,16 +199,19 @@ def measure_block(
 
     fused = _in_mode(copy.deepcopy(fused_base), training)
     fused_call = compile_fn(_fresh_caller())
+    reduction = _longest_reduction(inputs)
     problem = _compare(
         _run(fused_call, fused, inputs, training, seed),
-        _run(_call_module, _in_mode(copy.deepcopy(plain_base), training), inputs, training, seed),
+        _run(_call_module, _in_mode(copy.deepcopy(plain_base), training), inputs, training, seed, True),
         signature,
+        reduction,
     )
     if problem is None:  # the other mode, eagerly: our ops are opaque to Inductor, so numerics are the same
         problem = _compare(
             _run(_call_module, _in_mode(copy.deepcopy(fused_base), not training), inputs, True, seed),
-            _run(_call_module, _in_mode(copy.deepcopy(plain_base), not training), inputs, True, seed),
+            _run(_call_module, _in_mode(copy.deepcopy(plain_base), not training), inputs, True, seed, True),
             signature,
+            reduction,
         )
         if problem is not None:
             problem = f"{'eval' if training else 'train'} mode: {problem}"
@@ -253,13 +258,16 @@ def _fresh_caller() -> Callable[..., Any]:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
 
 
-def _make_inputs(inputs: InputSpec, seed: int, backward: bool) -> list[Any]:
+def _make_inputs(inputs: InputSpec, seed: int, backward: bool, dtype: torch.dtype | None = None) -> list[Any]:
+    """The block's arguments, drawn from ``seed``; floating ones cast to ``dtype`` after drawing, if given."""
     tensors = [t for t in inputs if isinstance(t, TensorSpec)]
     generator = torch.Generator(device=tensors[0].device if tensors else "cpu").manual_seed(seed)
     made = []
     for spec in inputs:
         if isinstance(spec, TensorSpec):
             value = spec.make(generator)
+            if dtype is not None and value.dtype.is_floating_point:
+                value = value.to(dtype)
             wants_grad = backward and spec.requires_grad and spec.dtype.is_floating_point
             made.append(value.requires_grad_(wants_grad))
         else:
@@ -267,11 +275,15 @@ def _make_inputs(inputs: InputSpec, seed: int, backward: bool) -> list[Any]:
     return made
 
 
-def _grad_outputs(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+def _grad_outputs(
+    outputs: list[torch.Tensor], seed: int, drawn: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Random output gradients, drawn in ``drawn`` (default: each output's dtype), cast to the output's."""
     grads = []
     for i, out in enumerate(outputs):
         generator = torch.Generator(device=out.device).manual_seed(seed + 1 + i)
-        grads.append(torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype))
+        g = torch.randn(out.shape, generator=generator, device=out.device, dtype=drawn or out.dtype)
+        grads.append(g.to(out.dtype))
     return grads
 
 
@@ -280,10 +292,23 @@ def _differentiable(value: Any) -> list[torch.Tensor]:
 
 
 def _run(
-    call: Callable[..., Any], module: nn.Module, inputs: InputSpec, backward: bool, seed: int
+    call: Callable[..., Any],
+    module: nn.Module,
+    inputs: InputSpec,
+    backward: bool,
+    seed: int,
+    reference: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Outputs, gradients (input and parameters) and buffers of one call, by name."""
-    args = _make_inputs(inputs, seed, backward)
+    """Outputs, gradients (input and parameters) and buffers of one call, by name.
+
+    ``reference``: the eager side of the check. An fp32 block on the CPU then runs in float64 on the same
+    draws, and its results are rounded back to fp32: the reference is exact to fp32, whatever the CPU's
+    vector width (oneDNN capped at AVX2 returned a wrong fp32 weight gradient for a strided 1x1 conv on a
+    channels_last input, which made correct fused blocks look wrong)."""
+    upcast = reference and _upcasts(module, inputs)
+    if upcast:
+        module = module.double()
+    args = _make_inputs(inputs, seed, backward, torch.float64 if upcast else None)
     with torch.set_grad_enabled(backward):
         output = call(module, *args)
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
@@ -291,7 +316,7 @@ def _run(
     if backward:
         outs = _differentiable(output)
         if outs:
-            torch.autograd.backward(outs, _grad_outputs(outs, seed))
+            torch.autograd.backward(outs, _grad_outputs(outs, seed, torch.float32 if upcast else None))
         for i, arg in enumerate(args):
             if isinstance(arg, torch.Tensor) and arg.grad is not None:
                 result[f"gradient of input {i}"] = arg.grad
@@ -300,7 +325,19 @@ def _run(
                 result[f"gradient of {name}"] = param.grad
     for name, buffer in module.named_buffers():
         result[f"buffer {name}"] = buffer.detach()
+    if upcast:
+        result = {k: v.float() if v.dtype == torch.float64 else v for k, v in result.items()}
     return result
+
+
+def _upcasts(module: nn.Module, inputs: InputSpec) -> bool:
+    """Whether the eager reference runs in float64: an fp32 block on the CPU, outside autocast."""
+    tensors = [t for t in inputs if isinstance(t, TensorSpec) and t.dtype.is_floating_point]
+    floats = [t.dtype for t in (*module.parameters(), *module.buffers()) if t.dtype.is_floating_point]
+    floats += [t.dtype for t in tensors]
+    on_cpu = all(torch.device(t.device).type == "cpu" for t in tensors)
+    autocast = torch.is_autocast_enabled("cpu")
+    return on_cpu and not autocast and bool(floats) and all(d == torch.float32 for d in floats)
 
 
 def _step(
@@ -335,11 +372,18 @@ def _step(
 
 
 def _compare(
-    fused: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], signature: BlockSignature
+    fused: dict[str, torch.Tensor],
+    eager: dict[str, torch.Tensor],
+    signature: BlockSignature,
+    reduction: int = 1,
 ) -> str | None:
-    """The first quantity where the fused block differs from eager beyond tolerance, or None."""
+    """The first quantity where the fused block differs from eager beyond tolerance, or None.
+
+    The tolerance is the larger of the table's for the family and dtype and the one that grows with the
+    block's longest sum, ``reduction`` terms (:func:`lcv_kernels.tolerances.reduction_tolerance`)."""
     family = "conv" if "conv" in signature.kind else "norm"
     dtype = _tolerance_dtype(signature, next(iter(eager.values())).device)
+    by_length = reduction_tolerance(dtype, reduction)
     missing = sorted(set(fused) ^ set(eager))
     if missing:
         return f"{missing[0]} exists on one side only"
@@ -350,7 +394,8 @@ def _compare(
             return f"{name} is {got}, eager gives {want}"
         if expected.numel() == 0:
             continue
-        atol, rtol = tolerance(f"{family}_grad" if name.startswith("gradient") else family, dtype)
+        table = tolerance(f"{family}_grad" if name.startswith("gradient") else family, dtype)
+        atol, rtol = max(table[0], by_length[0]), max(table[1], by_length[1])
         a, e = actual.double(), expected.double()
         if not torch.isfinite(a).all() and torch.isfinite(e).all():
             return f"{name} is not finite"
@@ -359,6 +404,14 @@ def _compare(
         if error > bound:
             return f"{name} differs by {error:.3g} (tolerance {bound:.3g})"
     return None
+
+
+def _longest_reduction(inputs: InputSpec) -> int:
+    """The longest sum in a conv or norm block's forward and backward: over batch and space (N*H*W, a
+    weight gradient or BatchNorm's statistics) for the largest input; the forward's C*R*S is shorter in the
+    blocks we rewrite."""
+    shapes = [t.shape for t in inputs if isinstance(t, TensorSpec) and len(t.shape) >= 2]
+    return max((math.prod(s) // s[1] for s in shapes if s[1]), default=1) or 1
 
 
 def _tolerance_dtype(signature: BlockSignature, device: torch.device) -> torch.dtype:

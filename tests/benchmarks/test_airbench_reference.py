@@ -18,6 +18,10 @@ from PIL import Image
 
 from script_loader import load_script
 
+# One xdist worker runs the whole file (`make test` uses --dist loadgroup): its module fixture writes
+# a 1,026-image zip, once.
+pytestmark = pytest.mark.xdist_group("test_airbench_reference")
+
 pytest.importorskip("airbench", reason="airbench is in the dev extra: pip install -e '.[dev]'")
 
 CLASSES = ["cat", "dog", "ship"]

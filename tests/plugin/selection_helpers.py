@@ -43,3 +43,15 @@ class FakeClock:
 def select(model: nn.Module, x: torch.Tensor, timer, cache_dir: Path, **kwargs):
     """``select_kernels`` with both sides compiled by the eager backend (fast on CPU) and a private cache."""
     return select_kernels(model, x, timer=timer, cache_dir=str(cache_dir), **{"config": EAGER, **kwargs})
+
+
+def use_reference_ops(monkeypatch) -> None:
+    """The fused ops on their PyTorch references, and ATen's own convolutions instead of oneDNN's.
+
+    oneDNN capped at AVX2 (torch 2.14.1) returns a wrong fp32 weight gradient for a strided 1x1 conv on a
+    channels_last input, from the second such call in a process on; a block holding one (a ResNet
+    downsample left eager inside the measured block) then fails the selection's correctness check on AVX2
+    machines only. Tests about the selection's structure must not depend on the CPU's vector width.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)

@@ -1,8 +1,9 @@
 """compile="auto"/"always"/"never": the strategy measures compiled against eager steps and keeps the faster.
 
-The compiled side is made slow with a backend that adds a second to the step clock in every graph call, the
-eager side with a forward that does so only when dynamo is not tracing it (a virtual second: the machine's
-load cannot change the outcome); both keep the model's maths, so weights can be compared.
+The step clock is virtual (``virtual_clock``: no real time enters it). The compiled side is made slow with a
+backend that adds a second to it in every graph call, the eager side with a forward that does so only when
+dynamo is not tracing it (the machine's load cannot change the outcome); both keep the model's maths, so
+weights can be compared.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from unittest import mock
 
 import lightning as L
@@ -31,8 +31,15 @@ DELAY_S = 1.0
 _delays = [0.0]
 
 
+_reads = [0]
+TICK_S = 1e-3
+
+
 def virtual_clock() -> float:
-    return time.perf_counter() + _delays[0]
+    """Purely virtual: every read advances it by a millisecond (a step costs 1 ms on either side), and a
+    slowed side adds DELAY_S per call. The machine's speed and load never enter a decision."""
+    _reads[0] += 1
+    return _reads[0] * TICK_S + _delays[0]
 
 
 def _delay() -> None:

@@ -22,13 +22,13 @@ from lightning_plugin.kernel_choice.cache import CACHE_FILE_NAME
 from lightning_plugin.kernel_choice.measurement import MedianTimer
 from lightning_plugin.kernel_choice.selection import MIN_SPEEDUP
 from lightning_plugin.kernel_choice.substitution import substituted_modules
-from selection_helpers import FakeClock, chain, select
+from selection_helpers import FakeClock, chain, select, use_reference_ops
 
 
 @pytest.fixture
 def reference_ops(monkeypatch):
     """The fused ops on their PyTorch references, for tests about the selection's structure, not numerics."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    use_reference_ops(monkeypatch)  # and no oneDNN: see its docstring
 
 
 def test_choices_follow_the_timings(tmp_path):
@@ -185,11 +185,17 @@ def test_autocast_dtype_is_measured_and_checked(reference_ops, tmp_path):
     assert decision.signature.dtype == "bfloat16" and decision.correct and decision.chosen == "conv_bn_act"
 
 
-def test_median_timer_warms_up_then_takes_the_median():
+def test_median_timer_warms_up_then_takes_the_median(monkeypatch):
+    import types
+
+    import lightning_plugin.kernel_choice.measurement as measurement
+
     calls = []
+    reads = iter([0.0, 3.0, 10.0, 16.0, 20.0, 23.0, 30.0, 39.0, 40.0, 43.0])  # samples 1, 2, 1, 3, 1 s a step
+    monkeypatch.setattr(measurement, "time", types.SimpleNamespace(perf_counter=lambda: next(reads)))
     timer = MedianTimer(warmup=2, repeats=5, steps=3)
     seconds = timer(lambda: calls.append(1), arm="fused", signature=None, device=torch.device("cpu"))
-    assert len(calls) == 2 + 5 * 3 and 0 <= seconds < 0.01
+    assert len(calls) == 2 + 5 * 3 and seconds == 1.0
     with pytest.raises(ValueError, match="positive counts"):
         MedianTimer(repeats=0)
 

@@ -26,7 +26,7 @@ from lightning_plugin.callbacks import TrainingMonitor
 from lightning_plugin.kernel_choice import selection as kernel_selection
 from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
 from lightning_plugin.kernel_choice.substitution import substituted_modules
-from selection_helpers import FakeClock, chain
+from selection_helpers import FakeClock, chain, use_reference_ops
 
 HERE = os.path.dirname(__file__)
 
@@ -34,7 +34,7 @@ HERE = os.path.dirname(__file__)
 @pytest.fixture
 def reference_ops(monkeypatch):
     """The fused ops on their PyTorch references: these tests are about the flow, not the kernels."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    use_reference_ops(monkeypatch)  # and no oneDNN: see its docstring
 
 
 # ---------------------------------------------------------------------------------------------------------

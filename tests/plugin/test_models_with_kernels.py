@@ -711,6 +711,7 @@ def test_fake_kernels_match_real_kernels(name, reference_ops):
     _assert_no_problems(check.problems, f"{name} at 32 px: {FAKE_HINT}")
 
 
+@pytest.mark.slow  # the model-zoo sweep: 9 models x 2 sizes
 @pytest.mark.parametrize("image_size", [32, 64])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trains_like_fp32_eager(name, image_size, reference_ops):

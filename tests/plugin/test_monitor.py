@@ -28,6 +28,10 @@ from lightning_plugin import CompiledStrategy
 from lightning_plugin.callbacks import TrainingMonitor
 from lightning_plugin.flops import peak_flops
 
+# One xdist worker runs the whole file (`make test` uses --dist loadgroup): its module fixture trains
+# the two logged runs the tests read, once.
+pytestmark = pytest.mark.xdist_group("test_monitor")
+
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 BATCH, SAMPLES, SIDE = 8, 36, 8  # 4 full batches + one of 4 (forces a recompile)
 DATA_DELAY_S = 0.004  # per sample: ~32 ms of data wait per batch

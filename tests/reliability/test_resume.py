@@ -27,6 +27,10 @@ from torch import nn
 import lightning_plugin  # noqa: F401  (registers "compiled" for the child process)
 from lightning_plugin.callbacks import FaultTolerantCheckpoint
 
+# One xdist worker runs the whole file (`make test` uses --dist loadgroup): its module fixtures train
+# the uninterrupted runs every resume is compared with, once.
+pytestmark = pytest.mark.xdist_group("test_resume")
+
 SAMPLES, BATCH, EPOCHS = 48, 8, 2  # 6 steps per epoch, 12 in all
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
