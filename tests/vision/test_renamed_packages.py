@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from lcv_vision.cli import run
-from lcv_vision.module import ClassificationModule
-from lcv_vision.renamed_packages import upgrade_text
+pytest.importorskip("jsonargparse", reason="lcv needs jsonargparse (not on the GPU image)")
+from lcv_vision.cli import run  # noqa: E402
+from lcv_vision.module import ClassificationModule  # noqa: E402
+from lcv_vision.renamed_packages import upgrade_text  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 OLD_CKPT = FIXTURES / "digits-small-before-rename.ckpt"
