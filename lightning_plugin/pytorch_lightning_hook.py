@@ -38,18 +38,27 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands out the real spec of ``pytorch_lightning`` with a loader that registers
     our strategies once the package has executed."""
 
+    def __init__(self) -> None:
+        self._searching = False
+
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != PACKAGE:
+        if fullname != PACKAGE or self._searching:
             return None
-        uninstall()  # once: the real finders answer, and a second import is served from sys.modules
-        spec = importlib.util.find_spec(fullname)
+        # Stays installed until the package runs: ``importlib.util.find_spec`` probes (Lightning's
+        # ``RequirementCache``) ask here too, and must not disarm it.
+        self._searching = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module: types.ModuleType) -> None:
+            uninstall()  # imported once: a second import is served from sys.modules
             run(module)
             _register()
 

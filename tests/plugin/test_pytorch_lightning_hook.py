@@ -46,7 +46,9 @@ def test_the_users_logging_level_for_lightning_holds(installed, tmp_path):
     assert "GPU available" not in proc.stdout + proc.stderr  # the Trainer's start-up lines stay silenced
 
 
-@pytest.mark.parametrize("order", ["user imports it after us", "user imported it before us"])
+@pytest.mark.parametrize(
+    "order", ["user imports it after us", "after a probe of it", "user imported it before us"]
+)
 def test_our_names_reach_pytorch_lightning_when_the_user_imports_it(order):
     pytest.importorskip("pytorch_lightning")
     check = (
@@ -56,6 +58,10 @@ def test_our_names_reach_pytorch_lightning_when_the_user_imports_it(order):
     )
     if order == "user imports it after us":
         code = "import lightning_plugin\n" + check
+    elif order == "after a probe of it":  # Lightning's RequirementCache asks find_spec without importing
+        code = (
+            "import importlib.util, lightning_plugin\nimportlib.util.find_spec('pytorch_lightning')\n" + check
+        )
     else:
         code = "import pytorch_lightning\nimport lightning_plugin\n" + check
     assert "registered: True" in _run(code).stdout
