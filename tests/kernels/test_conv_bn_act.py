@@ -745,7 +745,7 @@ def conv_cases(draw: st.DrawFn) -> dict:
     n, c, k = (
         draw(st.integers(1, 2)),
         draw(st.sampled_from([1, 3, 5, 8, 24])),
-        draw(st.sampled_from([1, 4, 6, 24, 40, 1000])),
+        draw(st.sampled_from([1, 4, 6, 24, 40, 136])),
     )
     h, w = draw(st.integers(1, 13)), draw(st.integers(1, 11))
     r, s = draw(st.sampled_from([1, 3, 7])), draw(st.sampled_from([1, 3, 7]))
