@@ -1,8 +1,9 @@
-"""`StepMonitor`: step time, data wait, throughput, FLOP/s and MFU, device memory and learning rate, every N
-training batches, on a :class:`~lightning_plugin.step_meter.StepMeter`.
+"""`StepMonitor`: step time, data wait, throughput, FLOP/s and MFU, peak device memory and learning rate,
+every N training batches, on a :class:`~lightning_plugin.step_meter.StepMeter`.
 
 Lightning's ``ThroughputMonitor`` does not split out the time a step waited for data and gives no MFU on an
-H200; this callback does both, from global rank zero only (so only rank zero pays for the device syncs).
+H200; this callback does both, from global rank zero only. On CUDA the steps are timed with CUDA events that
+are read once per logging window, so the monitor adds no host sync to a step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing_extensions import override
 from lightning_plugin.callbacks._options import check_options
 from lightning_plugin.callbacks._trainer_lookup import batch_size, first_tensor, logging_interval
 from lightning_plugin.flops import measure_forward_flops, peak_flops, training_flops_per_sample
-from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
+from lightning_plugin.step_meter import StepMeter, StepTotals, device_timeline
 
 __all__ = ["StepMonitor"]
 
@@ -28,10 +29,11 @@ _GIB = float(1 << 30)
 
 class StepMonitor(Callback):
     """Logs, averaged over every ``log_every_n_steps`` training batches: ``perf/step_time_ms``
-    (device-synchronised), ``perf/samples_per_sec`` (end to end, data wait included),
+    (device time on CUDA), ``perf/samples_per_sec`` (end to end, data wait included),
     ``perf/data_wait_fraction``, ``perf/flops_per_sec`` and ``perf/mfu`` (when FLOPs are known),
-    ``memory/{allocated,reserved,peak}_gib`` on CUDA, and ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with
-    several optimizers or groups). Validation and the monitors' own writing count neither as step nor as wait.
+    ``memory/peak_gib`` on CUDA (the window's peak: the allocator's peak is reset after each reading), and
+    ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with several optimizers or groups). Validation and the
+    monitors' own writing count neither as step nor as wait.
 
     Args: as :class:`~lightning_plugin.callbacks.TrainingMonitor`'s of the same names.
     """
@@ -60,6 +62,8 @@ class StepMonitor(Callback):
         self.batch_size_fn = batch_size_fn
         #: Other callbacks that write during a step pass this to exclude their time (``meter.discard()``).
         self.meter = StepMeter()
+        #: Every logged window of this fit added up: the fit's throughput (``HParamsRecord`` shows it).
+        self.fit_totals = StepTotals()
         self._interval = 1
         self._device = torch.device("cpu")
         self._flops_per_sample: float | None = None
@@ -71,6 +75,7 @@ class StepMonitor(Callback):
         if stage != "fit":
             return
         self.meter.reset()
+        self.fit_totals = StepTotals()
         self._interval = logging_interval(trainer, self.log_every_n_steps)
         self._flops_per_sample, self._flops_per_batch = self.flops_per_sample, None
         module_flops = getattr(pl_module, "flops_per_batch", None)
@@ -83,7 +88,7 @@ class StepMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._device = trainer.strategy.root_device
-        self.meter.synchronize = stream_synchronizer(self._device)
+        self.meter.timeline = device_timeline(self._device)
         self._peak = self.peak_flops
         if self._peak is None:
             self._peak = peak_flops(self._device, _compute_dtype(trainer))
@@ -107,7 +112,7 @@ class StepMonitor(Callback):
         if not trainer.is_global_zero:
             return
         self.meter.step_ended(batch_size(batch, self.batch_size_fn))
-        if self.meter.span.steps >= self._interval:
+        if self.meter.steps >= self._interval:
             self._log(trainer, self.meter.take())
             self.meter.discard()  # our own logging is not data wait
 
@@ -123,6 +128,7 @@ class StepMonitor(Callback):
             self._log(trainer, window)
 
     def _log(self, trainer: pl.Trainer, window: StepTotals) -> None:
+        self.fit_totals = self.fit_totals + window
         metrics: dict[str, float] = {}
         if window.mean_step_s is not None:
             metrics["perf/step_time_ms"] = 1e3 * window.mean_step_s
@@ -136,9 +142,9 @@ class StepMonitor(Callback):
                     metrics["perf/mfu"] = flops_per_sec / self._peak
         metrics.update(_learning_rates(trainer))
         if self._device.type == "cuda":
-            metrics["memory/allocated_gib"] = torch.cuda.memory_allocated(self._device) / _GIB
-            metrics["memory/reserved_gib"] = torch.cuda.memory_reserved(self._device) / _GIB
+            # The allocator's own counters: host-side, no sync. Reset so each point is its window's peak.
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
+            torch.cuda.reset_peak_memory_stats(self._device)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
