@@ -13,7 +13,7 @@ TensorBoard shows only the first hparams record of a run and Lightning writes a 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,10 +33,12 @@ from lightning_plugin.callbacks._trainer_lookup import (
 from lightning_plugin.step_meter import StepTotals
 from lightning_plugin.trainer_attributes import runtime_attributes
 
-__all__ = ["HParamsRecord"]
+__all__ = ["DEFAULT_HEADLINE", "HParamsRecord"]
 
 #: Logged by Lightning with every metric: a column of it sorts nothing.
 _NOT_A_RESULT = frozenset({"epoch", "step"})
+#: The settings the HParams table shows before the reader picks others (TensorBoard shows five).
+DEFAULT_HEADLINE = ("lr", "trainer/batch_size", "trainer/max_epochs", "compile/compile", "compile/kernels")
 
 
 class HParamsRecord(Callback):
@@ -53,17 +55,21 @@ class HParamsRecord(Callback):
         batch_size_fn: returns the number of samples in a batch (``trainer/batch_size`` is the largest seen);
             default: dim 0 of the first tensor.
         fit_totals: returns the fit's step totals (``StepMonitor.fit_totals``) for ``summary/samples_per_sec``.
+        headline: the settings the HParams table shows first (TensorBoard shows five, sorted by name, and the
+            reader ticks others); default :data:`DEFAULT_HEADLINE`.
     """
 
     def __init__(
         self,
         batch_size_fn: Callable[[Any], int] | None = None,
         fit_totals: Callable[[], StepTotals] | None = None,
+        headline: Sequence[str] = DEFAULT_HEADLINE,
     ) -> None:
         super().__init__()
         check_options(type(self).__name__, batch_size_fn=batch_size_fn)
         self.batch_size_fn = batch_size_fn
         self.fit_totals = fit_totals
+        self.headline = list(headline)
         self._max_batch_size = 0
         self._expected: list[str] = []
 
@@ -97,10 +103,10 @@ class HParamsRecord(Callback):
         step = trainer.global_step
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=step)
-        columns = [*_logged_tags(trainer), *summary, *self._expected]
+        columns = [*self._expected, *summary, *_logged_tags(trainer)]  # the table's order
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                _write_record(logger, params, list(dict.fromkeys(columns)), step)
+                _write_record(logger, params, list(dict.fromkeys(columns)), self.headline, step)
         flush_tensorboard(trainer)
 
     def params(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -152,14 +158,28 @@ def _internal(key: str) -> bool:
     return any(part.startswith("_") for part in key.split("/"))
 
 
-def _write_record(logger: TensorBoardLogger, params: dict[str, Any], columns: list[str], step: int) -> None:
+def _write_record(
+    logger: TensorBoardLogger, params: dict[str, Any], columns: list[str], headline: Sequence[str], step: int
+) -> None:
     """The HParams plugin's three summaries; the columns' values are the scalars of those tags."""
     from torch.utils.tensorboard.summary import hparams
 
     experiment, start, end = hparams(params, dict.fromkeys(columns, 0.0))
+    _mark_headline(experiment, headline)
     writer = logger.experiment._get_file_writer()
     for summary in (experiment, start, end):
         writer.add_summary(summary, step)
+
+
+def _mark_headline(experiment: Any, headline: Sequence[str]) -> None:
+    """Mark the headline settings as ``differs``: TensorBoard's table shows those first (and five in all)."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    metadata = experiment.value[0].metadata.plugin_data
+    data = plugin_data_pb2.HParamsPluginData.FromString(metadata.content)
+    for info in data.experiment.hparam_infos:
+        info.differs = info.name in headline
+    metadata.content = data.SerializeToString()
 
 
 def _plain(params: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ pytest.importorskip(
 
 from lcv_args import TINY_QUIET
 from lcv_vision.cli import run
+from lcv_vision.run_logs import HEADLINE
 
 pytestmark = pytest.mark.xdist_group("tensorboard")
 
@@ -71,12 +72,17 @@ def runs(tmp_path_factory) -> list[Path]:
     return dirs
 
 
-def _hparams(acc: EventAccumulator) -> tuple[dict, list[str]]:
+def _hparams(acc: EventAccumulator) -> tuple[dict, list[str], set[str]]:
+    """The run's settings, the table's metric columns, and the settings it shows first."""
     content = acc.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
-    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
-    columns = [m.name.tag for m in experiment.experiment.metric_infos]
-    return dict(start.session_start_info.hparams), columns
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    columns = [m.name.tag for m in experiment.metric_infos]
+    return (
+        dict(start.session_start_info.hparams),
+        columns,
+        {i.name for i in experiment.hparam_infos if i.differs},
+    )
 
 
 def test_each_run_is_one_event_file_with_both_tests_told_apart(runs):
@@ -130,7 +136,8 @@ def test_the_compile_card_is_written_when_known_and_at_the_end(runs):
 
 def test_hparams_row_has_the_settings_without_internal_keys_and_the_results(runs):
     acc = _events(runs[0])
-    params, columns = _hparams(acc)
+    params, columns, shown_first = _hparams(acc)
+    assert shown_first == set(HEADLINE)  # TensorBoard shows these five before the reader picks others
     assert not [k for k in params if k.startswith("_") or "/_" in k], sorted(params)
     for key in (
         "recipe",
@@ -160,7 +167,7 @@ def test_two_learning_rates_give_two_rows_with_their_accuracies(runs):
     rows = []
     for log_dir in runs:
         acc = _events(log_dir)
-        params, columns = _hparams(acc)
+        params, columns, _ = _hparams(acc)
         rows.append((params["lr"].number_value, columns, acc.Scalars("test/final/acc")[-1].value))
     assert [lr for lr, _, _ in rows] == pytest.approx(list(LEARNING_RATES))
     assert rows[0][1] == rows[1][1]  # the same columns: TensorBoard takes them from one run

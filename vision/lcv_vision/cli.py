@@ -45,7 +45,7 @@ from lcv_vision.recipes import (
     recipe_defaults,
 )
 from lcv_vision.renamed_packages import upgrade_config_files
-from lcv_vision.run_logs import HeldFinalize, expect_test_metrics, weights_tagged
+from lcv_vision.run_logs import HeldFinalize, prepare_hparams, weights_tagged
 from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = ["LcvCLI", "LcvError", "ThroughputMeter", "main", "run"]
@@ -255,8 +255,8 @@ class LcvCLI(LightningCLI):
 
     # ------------------------------------------------------------------------------------- subcommands
     def before_fit(self) -> None:
-        if self.config["fit"].get("test_after_fit", True):
-            expect_test_metrics(self.trainer, self.model.evaluation_weights())
+        tested = self.config["fit"].get("test_after_fit", True)
+        prepare_hparams(self.trainer, self.model.evaluation_weights() if tested else [])
 
     def after_fit(self) -> None:
         try:

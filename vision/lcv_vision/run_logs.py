@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_plugin.callbacks import HParamsRecord, TrainingMonitor
 from lightning_plugin.trainer_attributes import runtime_attributes
 
-__all__ = ["HeldFinalize", "expect_test_metrics", "weights_tag", "weights_tagged"]
+__all__ = ["HEADLINE", "HeldFinalize", "prepare_hparams", "weights_tag", "weights_tagged"]
 
 
 def weights_tag(weights: str, metric: str = "acc") -> str:
@@ -108,9 +108,15 @@ def weights_tagged(trainer: pl.Trainer, weights: str) -> Iterator[None]:
         trainer.loggers = loggers
 
 
-def expect_test_metrics(trainer: pl.Trainer, weights: Sequence[str]) -> None:
-    """Give the HParams record of the run the columns of the tests that follow the fit."""
+#: The settings ``lcv``'s HParams table shows first (TensorBoard shows five; the reader ticks others).
+HEADLINE = ("recipe", "model", "lr", "optimizer", "compile/compile")
+
+
+def prepare_hparams(trainer: pl.Trainer, weights: Sequence[str]) -> None:
+    """Give the run's HParams record ``lcv``'s headline settings and the columns of the tests that follow the
+    fit (none for an empty ``weights``)."""
     for callback in runtime_attributes(trainer).callbacks:
         record = callback.hparams_record if isinstance(callback, TrainingMonitor) else callback
         if isinstance(record, HParamsRecord):
+            record.headline = list(HEADLINE)
             record.expect_metrics(weights_tag(name) for name in weights)
