@@ -35,47 +35,33 @@ class CompileFacts:
 
 
 def render_compile_card(facts: CompileFacts) -> str:
-    """The card in Markdown (TensorBoard's text plugin renders it)."""
+    """The card in Markdown (TensorBoard's text plugin renders it): a table of the facts first (TensorBoard
+    shows the top of a card), then the reasons and the per-block and per-graph tables."""
     stats = facts.stats
     sections = [
-        "### Compile-or-eager decision\n\n" + _decision(facts.decision, stats),
-        "### What was compiled\n\n" + _counts(stats),
+        _summary_table(facts),
         "### Graph breaks\n\n" + _bullets(list(stats.break_reasons), "none"),
         "### Recompiles\n\n" + _bullets(list(stats.recompile_reasons), "none"),
     ]
     skipped = list(stats.skipped_frames)
     if skipped:
         sections.append("### Frames run eagerly\n\n" + _bullets(skipped, "none"))
+    if facts.kernels:
+        sections.append("### Kernel choice per block\n\n" + _kernel_table(facts.kernels))
+    elif facts.substituted:
+        rows = "\n".join(f"| `{r.path}` | {r.kind} |" for r in facts.substituted)
+        sections.append(f"### Kernels substituted as configured\n\n| block | kernel |\n|---|---|\n{rows}")
     graphs = list(stats.graph_compile_times)
     if graphs:
         sections.append("### Graphs\n\n" + _graph_table(graphs))
-    sections.append("### Kernel choice per block\n\n" + _kernels(facts))
     return "\n\n".join(sections)
 
 
-def _decision(decision: Any, stats: Any) -> str:
-    if decision is None:
-        return stats.decision_reason or (
-            "not decided: `compile='auto'` had not finished timing compiled against eager steps (it needs a few "
-            "warm-up steps, then several steps each way)"
-        )
-    line = f"**{'compiled' if decision.choice == 'compiled' else 'eager'}** ({decision.source}): "
-    line += decision.describe()
-    if decision.speedup is None:
-        return line
-    rows = [
-        "| | median step | steps timed |",
-        "|---|---|---|",
-        f"| compiled | {decision.compiled_ms:.1f} ms | {decision.steps} |",
-        f"| eager | {decision.eager_ms:.1f} ms | {decision.steps} |",
-        f"| ratio (eager / compiled) | **{decision.speedup:.2f}x** | |",
-    ]
-    return line + "\n\n" + "\n".join(rows)
-
-
-def _counts(stats: Any) -> str:
+def _summary_table(facts: CompileFacts) -> str:
+    stats = facts.stats
     hits, misses = stats.cache_hits_and_misses
     rows = [
+        ("compile or eager", _decision(facts.decision, stats)),
         ("graphs", f"{stats.graphs} ({stats.recompiles} of them recompiles)"),
         ("graph breaks", str(stats.graph_breaks)),
         ("compile time", f"{stats.compile_time_s:.2f} s (backend {stats.backend_time_s:.2f} s)"),
@@ -84,22 +70,40 @@ def _counts(stats: Any) -> str:
     if stats.reused_frames:
         rows.append(("frames reused in this process", str(stats.reused_frames)))
     if stats.fell_back:
-        rows.append(("fell back to eager", _cell(str(stats.fallback_reason))))
-    return "| | |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+        rows.append(("fell back to eager", str(stats.fallback_reason)))
+    rows.append(("kernels", _kernels(facts)))
+    return "| | |\n|---|---|\n" + "\n".join(f"| {name} | {_cell(value)} |" for name, value in rows)
+
+
+def _decision(decision: Any, stats: Any) -> str:
+    if decision is None:
+        return stats.decision_reason or (
+            "not decided: `compile='auto'` had not finished timing compiled against eager steps (it needs a few "
+            "warm-up steps, then several steps each way)"
+        )
+    choice = f"**{'compiled' if decision.choice == 'compiled' else 'eager'}**"
+    if decision.speedup is None:
+        return f"{choice}: {decision.describe()}"
+    where = "measured in this run" if decision.source == "measured" else "measured by an earlier run"
+    return (
+        f"{choice}: compiled steps **{decision.speedup:.2f}x** the speed of eager; median step "
+        f"{decision.compiled_ms:.1f} ms compiled, {decision.eager_ms:.1f} ms eager ({decision.steps} steps "
+        f"each, {where}; `compile='always'` or `'never'` overrides)"
+    )
+
+
+def _kernels(facts: CompileFacts) -> str:
+    if facts.kernels:
+        fused = sum(1 for d in facts.kernels if d.fused)
+        return f"{fused} of {len(facts.kernels)} rewritten block(s) kept fused (table below)"
+    if facts.substituted:
+        return f"{len(facts.substituted)} block(s) substituted as configured, not measured (table below)"
+    return _why_no_kernels(facts.kernels_setting, facts.device)
 
 
 def _graph_table(graphs: list[tuple[str, float]]) -> str:
     rows = "\n".join(f"| `{name}` | {seconds:.3f} |" for name, seconds in graphs)
     return f"| graph (`/1`: a recompile) | backend s |\n|---|---|\n{rows}"
-
-
-def _kernels(facts: CompileFacts) -> str:
-    if facts.kernels:
-        return _kernel_table(facts.kernels)
-    if facts.substituted:
-        rows = "\n".join(f"| `{r.path}` | {r.kind} |" for r in facts.substituted)
-        return f"Substituted as configured, not measured:\n\n| block | kernel |\n|---|---|\n{rows}"
-    return _why_no_kernels(facts.kernels_setting, facts.device)
 
 
 def _kernel_table(decisions: Sequence[Any]) -> str:

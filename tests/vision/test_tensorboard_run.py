@@ -127,10 +127,10 @@ def test_the_compile_card_is_written_when_known_and_at_the_end(runs):
     cards = acc.Tensors("compile/report/text_summary")
     assert 1 <= len(cards) <= 2 and [c.step for c in cards] == sorted({c.step for c in cards})
     card = cards[-1].tensor_proto.string_val[0].decode()
-    for section in ("Compile-or-eager decision", "What was compiled", "Graph breaks", "Recompiles"):
-        assert f"### {section}" in card, card
+    assert card.startswith("| | |\n|---|---|\n| compile or eager | ")  # the facts first, the decision on top
+    assert "### Graph breaks" in card and "### Recompiles" in card
     assert re.search(r"\| graphs \| [1-9]", card) and "| on-disk compile caches |" in card
-    kernels = card.split("### Kernel choice per block")[1]
+    kernels = card.split("| kernels | ")[1].split("\n")[0]
     assert "None tried" in kernels and "cpu" in kernels  # kernels='auto' on CPU: says why
 
 
