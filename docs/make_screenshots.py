@@ -27,9 +27,10 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "docs" / "images"
 LEARNING_RATES = ("0.2", "0.05")
-#: image name -> (TensorBoard's page: its dashboards are chosen by the URL fragment, window width and height)
+#: image name -> (TensorBoard's page: its dashboards are chosen by the URL fragment, window width and height).
+#: ``fastChart=false``: the Time Series charts drawn as SVG (headless Chromium draws no WebGL lines).
 SHOTS = {
-    "tensorboard_first_screen.png": ("#timeseries", (1400, 1000)),
+    "tensorboard_first_screen.png": ("?fastChart=false#timeseries", (1400, 1000)),
     "tensorboard_custom_scalars.png": ("#custom_scalars", (1400, 1000)),
     "tensorboard_compile_card.png": ("#text", (1400, 1500)),
     "tensorboard_hparams.png": ("#hparams", (2200, 600)),
