@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_plugin.callbacks._options import check_options
 from lightning_plugin.callbacks._trainer_lookup import batch_size, first_tensor, logging_interval
+from lightning_plugin.callbacks.change_points import ChangePoints
 from lightning_plugin.flops import measure_forward_flops, peak_flops, training_flops_per_sample
 from lightning_plugin.step_meter import StepMeter, StepTotals, device_timeline
 
@@ -32,8 +33,9 @@ class StepMonitor(Callback):
     (device time on CUDA), ``perf/samples_per_sec`` (end to end, data wait included),
     ``perf/data_wait_fraction``, ``perf/flops_per_sec`` and ``perf/mfu`` (when FLOPs are known),
     ``memory/peak_gib`` on CUDA (the window's peak: the allocator's peak is reset after each reading), and
-    ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with several optimizers or groups). Validation and the
-    monitors' own writing count neither as step nor as wait.
+    ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with several optimizers or groups); the learning rate and the
+    peak memory only where they change (:class:`ChangePoints`). Validation and the monitors' own writing count
+    neither as step nor as wait.
 
     Args: as :class:`~lightning_plugin.callbacks.TrainingMonitor`'s of the same names.
     """
@@ -64,6 +66,7 @@ class StepMonitor(Callback):
         self.meter = StepMeter()
         #: Every logged window of this fit added up: the fit's throughput (``HParamsRecord`` shows it).
         self.fit_totals = StepTotals()
+        self._rare = ChangePoints()  # the learning rate, the peak memory: points only where they change
         self._interval = 1
         self._device = torch.device("cpu")
         self._flops_per_sample: float | None = None
@@ -76,6 +79,7 @@ class StepMonitor(Callback):
             return
         self.meter.reset()
         self.fit_totals = StepTotals()
+        self._rare.reset()
         self._interval = logging_interval(trainer, self.log_every_n_steps)
         self._flops_per_sample, self._flops_per_batch = self.flops_per_sample, None
         module_flops = getattr(pl_module, "flops_per_batch", None)
@@ -126,6 +130,8 @@ class StepMonitor(Callback):
         window = self.meter.take()
         if trainer.is_global_zero and window.steps:
             self._log(trainer, window)
+        if trainer.is_global_zero:
+            _log_points(trainer, self._rare.end())
 
     def _log(self, trainer: pl.Trainer, window: StepTotals) -> None:
         self.fit_totals = self.fit_totals + window
@@ -140,13 +146,15 @@ class StepMonitor(Callback):
                 metrics["perf/flops_per_sec"] = flops_per_sec
                 if self._peak:
                     metrics["perf/mfu"] = flops_per_sec / self._peak
-        metrics.update(_learning_rates(trainer))
+        rare = _learning_rates(trainer)
         if self._device.type == "cuda":
             # The allocator's own counters: host-side, no sync. Reset so each point is its window's peak.
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
+            rare["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
             torch.cuda.reset_peak_memory_stats(self._device)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        points = self._rare.points(trainer.global_step, rare)
+        metrics.update(points.pop(trainer.global_step, {}))
+        points[trainer.global_step] = metrics
+        _log_points(trainer, points)
 
     def _flops_per_sec(self, window: StepTotals) -> float | None:
         if self._flops_per_sample is not None:
@@ -154,6 +162,12 @@ class StepMonitor(Callback):
         if self._flops_per_batch is not None:
             return self._flops_per_batch * window.steps / window.busy_s
         return None
+
+
+def _log_points(trainer: pl.Trainer, points: dict[int, dict[str, float]]) -> None:
+    for step, metrics in points.items():
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
 
 def _learning_rates(trainer: pl.Trainer) -> dict[str, float]:

@@ -175,11 +175,11 @@ def test_mfu_uses_independently_counted_flops(runs) -> None:
 
 def test_learning_rate_follows_the_schedule(runs) -> None:
     acc = _events(runs["compiled"])
-    events = acc.Scalars("optim/lr")
-    by_step = {e.step: e.value for e in events}
-    # StepLR(step_size=1 epoch, gamma=0.5): 0.1 during epoch 0 (global steps 1..5), 0.05 after.
-    assert by_step[1] == pytest.approx(0.1)
-    assert by_step[6] == pytest.approx(0.05)
+    points = [(e.step, e.value) for e in acc.Scalars("optim/lr")]
+    # StepLR(step_size=1 epoch, gamma=0.5), halved when each epoch's last batch (steps 5, 10) ends. The rate is
+    # logged where it changes: the last point of each value and the first of the next, so a step is a step.
+    assert [step for step, _ in points] == [1, 4, 5, 9, 10]
+    assert [lr for _, lr in points] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
 
 
 def _card(acc: EventAccumulator) -> str:

@@ -1,5 +1,6 @@
 """The monitor's TensorBoard output beyond its tag list: one set of events under DDP, the user's own metrics
-untouched, and the compile card's content for decisions a CPU test cannot measure (rendered from records)."""
+untouched, a rarely changing value logged only where it changes, and the compile card's content for decisions
+a CPU test cannot measure (rendered from records)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,23 @@ def test_substituted_blocks_without_a_selection_are_listed():
     block = SimpleNamespace(path="stem", kind="conv_bn_act")
     facts = CompileFacts(_stats(), substituted=[block], kernels_setting="all", device=torch.device("cpu"))
     assert "| `stem` | conv_bn_act |" in render_compile_card(facts)
+
+
+def test_a_rarely_changing_value_is_logged_where_it_changes():
+    from lightning_plugin.callbacks.change_points import ChangePoints
+
+    constant, schedule = ChangePoints(), ChangePoints()
+    logged_constant, logged_schedule = {}, {}
+    for step, lr in [(10, 0.1), (20, 0.1), (30, 0.1), (40, 0.01), (50, 0.01), (60, 0.01)]:
+        logged_constant.update(constant.points(step, {"optim/lr": 0.5}))
+        logged_schedule.update(schedule.points(step, {"optim/lr": lr}))
+    logged_constant.update(constant.end())
+    logged_schedule.update(schedule.end())
+    assert logged_constant == {10: {"optim/lr": 0.5}}  # one point, no flat line
+    # a step, drawn as a step: the old value's last point, the new value's first, and the end
+    assert logged_schedule == {
+        10: {"optim/lr": 0.1},
+        30: {"optim/lr": 0.1},
+        40: {"optim/lr": 0.01},
+        60: {"optim/lr": 0.01},
+    }
