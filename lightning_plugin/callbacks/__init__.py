@@ -1,7 +1,7 @@
 """Callbacks for compiled training: monitoring, NaN/Inf guarding, fault-tolerant checkpoints, compiling.
 
-``TrainingMonitor`` is the four monitoring callbacks together (``StepMonitor``, ``CompileReport``,
-``ImageGrid``, ``HParamsRecord``); each can also be used alone."""
+``TrainingMonitor`` is the five monitoring callbacks together (``StepMonitor``, ``ScalarLayout``,
+``CompileReport``, ``ImageGrid``, ``HParamsRecord``); each can also be used alone."""
 
 from lightning_plugin.callbacks.compile import TorchCompile
 from lightning_plugin.callbacks.compile_report import CompileReport
@@ -10,6 +10,7 @@ from lightning_plugin.callbacks.hparams import HParamsRecord
 from lightning_plugin.callbacks.image_grid import ImageGrid, NormalizedBatches
 from lightning_plugin.callbacks.monitor import TrainingMonitor
 from lightning_plugin.callbacks.nan_guard import NonFiniteLossError, NonFiniteLossGuard
+from lightning_plugin.callbacks.scalar_layout import ScalarLayout
 from lightning_plugin.callbacks.step_monitor import StepMonitor
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "NonFiniteLossError",
     "NonFiniteLossGuard",
     "NormalizedBatches",
+    "ScalarLayout",
     "StepMonitor",
     "TorchCompile",
     "TrainingMonitor",

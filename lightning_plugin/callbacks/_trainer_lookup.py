@@ -80,6 +80,24 @@ def kernel_decisions(trainer: pl.Trainer) -> list[Any]:
     return []
 
 
+def compile_decision(trainer: pl.Trainer) -> Any:
+    """``compile="auto"``'s ``CompileDecision``; None while it measures or for a compiler that decides
+    nothing."""
+    for owner in _compilers(trainer):
+        if hasattr(owner, "compile_stats") and getattr(owner, "compile_stats", None) is not None:
+            return getattr(owner, "compile_decision", None)
+    return None
+
+
+def substituted_blocks(trainer: pl.Trainer) -> list[Any]:
+    """The kernel substitutions applied to the model (``Replacement`` records); [] when none or unknown."""
+    for owner in _compilers(trainer):
+        blocks = getattr(owner, "substituted_blocks", None)
+        if callable(blocks):
+            return list(blocks())
+    return []
+
+
 def compile_config(trainer: pl.Trainer) -> CompileConfig | None:
     for owner in _compilers(trainer):
         compiler = getattr(owner, "_compiler", None)  # the TorchCompile callback's

@@ -1,10 +1,11 @@
 """`TrainingMonitor`: one callback that shows in TensorBoard where a compiled run spends its time.
 
-It is the four monitoring callbacks together, each usable alone: :class:`StepMonitor` (step time, data wait,
-throughput, MFU, memory, learning rate, on a framework-free ``StepMeter``), :class:`CompileReport` (graphs,
-breaks, recompiles, compile time, kernel decisions), :class:`ImageGrid` (the augmented batch) and
-:class:`HParamsRecord` (the HParams tab). Together, the time the others spend writing is kept out of the step
-time and data wait. Everything is logged from global rank zero only, never during the sanity check.
+It is the five monitoring callbacks together, each usable alone: :class:`StepMonitor` (step time, data wait,
+throughput, MFU, peak memory, learning rate, on a framework-free ``StepMeter``), :class:`ScalarLayout` (the
+Custom Scalars charts: train and validation curves together), :class:`CompileReport` (the compiler's story as
+one card), :class:`ImageGrid` (the augmented batch) and :class:`HParamsRecord` (the HParams tab). Together, the
+time the others spend writing is kept out of the step time and data wait. Everything is logged from global
+rank zero only, never during the sanity check. Only what changes is logged as a curve.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_plugin.callbacks._options import check_normalization, check_optio
 from lightning_plugin.callbacks.compile_report import CompileReport
 from lightning_plugin.callbacks.hparams import HParamsRecord
 from lightning_plugin.callbacks.image_grid import ImageGrid
+from lightning_plugin.callbacks.scalar_layout import ScalarLayout
 from lightning_plugin.callbacks.step_monitor import StepMonitor
 
 __all__ = ["TrainingMonitor"]
@@ -31,12 +33,12 @@ class TrainingMonitor(Callback):
 
     Scalars (every ``log_every_n_steps`` training batches, averaged over that window):
     ``perf/step_time_ms``, ``perf/samples_per_sec``, ``perf/data_wait_fraction``, ``perf/flops_per_sec``,
-    ``perf/mfu``, ``memory/{allocated,reserved,peak}_gib`` and ``optim/lr`` (:class:`StepMonitor`);
-    ``compile/*`` and ``compile/graph_time_s`` when the strategy exposes ``compile_stats``, with the text
-    ``compile/graphs``, ``compile/break_reasons``, ``compile/recompile_reasons``, ``compile/fallback`` and
-    ``compile/kernel_decisions`` (:class:`CompileReport`). Image: ``samples/augmented`` at the first batch of
-    each epoch (:class:`ImageGrid`). At the end of ``fit``: the HParams tab, hyperparameters + ``final/*``
-    metrics (:class:`HParamsRecord`).
+    ``perf/mfu``, ``memory/peak_gib`` (CUDA) and ``optim/lr`` (:class:`StepMonitor`). The Custom Scalars
+    layout (:class:`ScalarLayout`). Text ``compile/report`` when the strategy exposes ``compile_stats``: the
+    compile decision, graphs, breaks, recompiles, caches, compile time and kernel choices
+    (:class:`CompileReport`). Image: ``samples/augmented`` at the first batch of each epoch
+    (:class:`ImageGrid`). At the end of ``fit``: the HParams tab, the run's settings and its results, with the
+    one-point ``summary/*`` values (:class:`HParamsRecord`).
 
     The defaults suit a monitor that is always on (the ``lcv`` command adds one): monitoring never stops a run
     (a FLOP count that cannot be measured only warns), and on CUDA the clock reads wait for the current stream
@@ -88,14 +90,17 @@ class TrainingMonitor(Callback):
         self.steps = StepMonitor(
             log_every_n_steps, flops_per_sample, measure_flops, peak_flops, batch_size_fn
         )
+        self.layout = ScalarLayout()
         self.compile_report = CompileReport(log_every_n_steps, meter=self.steps.meter)
         self.image_grid = ImageGrid(num_images, mean, std, meter=self.steps.meter) if log_images else None
-        self.hparams_record = HParamsRecord(batch_size_fn) if log_hparams else None
+        self.hparams_record = (
+            HParamsRecord(batch_size_fn, fit_totals=lambda: self.steps.fit_totals) if log_hparams else None
+        )
 
     @property
     def parts(self) -> list[Callback]:
         """In hook order: the step clock first, so the others' writing is kept out of it."""
-        parts = (self.steps, self.image_grid, self.compile_report, self.hparams_record)
+        parts = (self.steps, self.layout, self.image_grid, self.compile_report, self.hparams_record)
         return [part for part in parts if part is not None]
 
     @override

@@ -1,8 +1,9 @@
-"""`StepMonitor`: step time, data wait, throughput, FLOP/s and MFU, device memory and learning rate, every N
-training batches, on a :class:`~lightning_plugin.step_meter.StepMeter`.
+"""`StepMonitor`: step time, data wait, throughput, FLOP/s and MFU, peak device memory and learning rate,
+every N training batches, on a :class:`~lightning_plugin.step_meter.StepMeter`.
 
 Lightning's ``ThroughputMonitor`` does not split out the time a step waited for data and gives no MFU on an
-H200; this callback does both, from global rank zero only (so only rank zero pays for the device syncs).
+H200; this callback does both, from global rank zero only. On CUDA the steps are timed with CUDA events that
+are read once per logging window, so the monitor adds no host sync to a step.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing_extensions import override
 
 from lightning_plugin.callbacks._options import check_options
 from lightning_plugin.callbacks._trainer_lookup import batch_size, first_tensor, logging_interval
+from lightning_plugin.callbacks.change_points import ChangePoints
 from lightning_plugin.flops import measure_forward_flops, peak_flops, training_flops_per_sample
-from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
+from lightning_plugin.step_meter import StepMeter, StepTotals, device_timeline
 
 __all__ = ["StepMonitor"]
 
@@ -28,10 +30,12 @@ _GIB = float(1 << 30)
 
 class StepMonitor(Callback):
     """Logs, averaged over every ``log_every_n_steps`` training batches: ``perf/step_time_ms``
-    (device-synchronised), ``perf/samples_per_sec`` (end to end, data wait included),
+    (device time on CUDA), ``perf/samples_per_sec`` (end to end, data wait included),
     ``perf/data_wait_fraction``, ``perf/flops_per_sec`` and ``perf/mfu`` (when FLOPs are known),
-    ``memory/{allocated,reserved,peak}_gib`` on CUDA, and ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with
-    several optimizers or groups). Validation and the monitors' own writing count neither as step nor as wait.
+    ``memory/peak_gib`` on CUDA (the window's peak: the allocator's peak is reset after each reading), and
+    ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with several optimizers or groups); the learning rate and the
+    peak memory only where they change (:class:`ChangePoints`). Validation and the monitors' own writing count
+    neither as step nor as wait.
 
     Args: as :class:`~lightning_plugin.callbacks.TrainingMonitor`'s of the same names.
     """
@@ -60,6 +64,9 @@ class StepMonitor(Callback):
         self.batch_size_fn = batch_size_fn
         #: Other callbacks that write during a step pass this to exclude their time (``meter.discard()``).
         self.meter = StepMeter()
+        #: Every logged window of this fit added up: the fit's throughput (``HParamsRecord`` shows it).
+        self.fit_totals = StepTotals()
+        self._rare = ChangePoints()  # the learning rate, the peak memory: points only where they change
         self._interval = 1
         self._device = torch.device("cpu")
         self._flops_per_sample: float | None = None
@@ -71,6 +78,8 @@ class StepMonitor(Callback):
         if stage != "fit":
             return
         self.meter.reset()
+        self.fit_totals = StepTotals()
+        self._rare.reset()
         self._interval = logging_interval(trainer, self.log_every_n_steps)
         self._flops_per_sample, self._flops_per_batch = self.flops_per_sample, None
         module_flops = getattr(pl_module, "flops_per_batch", None)
@@ -83,7 +92,7 @@ class StepMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._device = trainer.strategy.root_device
-        self.meter.synchronize = stream_synchronizer(self._device)
+        self.meter.timeline = device_timeline(self._device)
         self._peak = self.peak_flops
         if self._peak is None:
             self._peak = peak_flops(self._device, _compute_dtype(trainer))
@@ -107,7 +116,7 @@ class StepMonitor(Callback):
         if not trainer.is_global_zero:
             return
         self.meter.step_ended(batch_size(batch, self.batch_size_fn))
-        if self.meter.span.steps >= self._interval:
+        if self.meter.steps >= self._interval:
             self._log(trainer, self.meter.take())
             self.meter.discard()  # our own logging is not data wait
 
@@ -121,8 +130,11 @@ class StepMonitor(Callback):
         window = self.meter.take()
         if trainer.is_global_zero and window.steps:
             self._log(trainer, window)
+        if trainer.is_global_zero:
+            _log_points(trainer, self._rare.end())
 
     def _log(self, trainer: pl.Trainer, window: StepTotals) -> None:
+        self.fit_totals = self.fit_totals + window
         metrics: dict[str, float] = {}
         if window.mean_step_s is not None:
             metrics["perf/step_time_ms"] = 1e3 * window.mean_step_s
@@ -134,13 +146,15 @@ class StepMonitor(Callback):
                 metrics["perf/flops_per_sec"] = flops_per_sec
                 if self._peak:
                     metrics["perf/mfu"] = flops_per_sec / self._peak
-        metrics.update(_learning_rates(trainer))
+        rare = _learning_rates(trainer)
         if self._device.type == "cuda":
-            metrics["memory/allocated_gib"] = torch.cuda.memory_allocated(self._device) / _GIB
-            metrics["memory/reserved_gib"] = torch.cuda.memory_reserved(self._device) / _GIB
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            # The allocator's own counters: host-side, no sync. Reset so each point is its window's peak.
+            rare["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
+            torch.cuda.reset_peak_memory_stats(self._device)
+        points = self._rare.points(trainer.global_step, rare)
+        metrics.update(points.pop(trainer.global_step, {}))
+        points[trainer.global_step] = metrics
+        _log_points(trainer, points)
 
     def _flops_per_sec(self, window: StepTotals) -> float | None:
         if self._flops_per_sample is not None:
@@ -148,6 +162,12 @@ class StepMonitor(Callback):
         if self._flops_per_batch is not None:
             return self._flops_per_batch * window.steps / window.busy_s
         return None
+
+
+def _log_points(trainer: pl.Trainer, points: dict[int, dict[str, float]]) -> None:
+    for step, metrics in points.items():
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
 
 def _learning_rates(trainer: pl.Trainer) -> dict[str, float]:

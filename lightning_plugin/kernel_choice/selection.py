@@ -81,6 +81,8 @@ class KernelDecision:
     correct: bool | None = None  # matched eager (outputs, gradients, buffers) within tolerance
     reason: str = ""
     cached: bool = False  # taken from the decision cache, not measured in this run
+    fused_ms: float | None = None  # the measured time of the fused block (one step, median)
+    inductor_ms: float | None = None  # the same block compiled by Inductor alone
 
     @property
     def fused(self) -> bool:
@@ -97,6 +99,8 @@ class KernelDecision:
             "correct": self.correct,
             "reason": self.reason,
             "cached": self.cached,
+            "fused_ms": self.fused_ms,
+            "inductor_ms": self.inductor_ms,
         }
 
 
@@ -414,16 +418,18 @@ def _decide(job: _Job) -> list[KernelDecision]:
 
 
 def _decision(rep: Replacement, signature: BlockSignature, m: Measurement, cached: bool) -> KernelDecision:
+    times = {
+        "fused_ms": m.fused_s * 1e3 if m.fused_s is not None else None,
+        "inductor_ms": m.inductor_s * 1e3 if m.inductor_s is not None else None,
+    }
     if not m.correct:
-        return KernelDecision(
-            rep.path, rep.kind, "eager", signature, None, False, f"differs from eager: {m.problem}", cached
-        )
+        why = f"differs from eager: {m.problem}"
+        return KernelDecision(rep.path, rep.kind, "eager", signature, None, False, why, cached, **times)
     ratio = m.ratio if m.ratio is not None else 0.0
     if ratio < MIN_SPEEDUP:
-        return KernelDecision(
-            rep.path, rep.kind, "eager", signature, ratio, True, f"below {MIN_SPEEDUP:.2f}x", cached
-        )
-    return KernelDecision(rep.path, rep.kind, rep.kind, signature, ratio, True, "faster", cached)
+        why = f"below {MIN_SPEEDUP:.2f}x"
+        return KernelDecision(rep.path, rep.kind, "eager", signature, ratio, True, why, cached, **times)
+    return KernelDecision(rep.path, rep.kind, rep.kind, signature, ratio, True, "faster", cached, **times)
 
 
 def _log_outcome(

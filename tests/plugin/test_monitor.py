@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -174,29 +175,28 @@ def test_mfu_uses_independently_counted_flops(runs) -> None:
 
 def test_learning_rate_follows_the_schedule(runs) -> None:
     acc = _events(runs["compiled"])
-    events = acc.Scalars("optim/lr")
-    by_step = {e.step: e.value for e in events}
-    # StepLR(step_size=1 epoch, gamma=0.5): 0.1 during epoch 0 (global steps 1..5), 0.05 after.
-    assert by_step[1] == pytest.approx(0.1)
-    assert by_step[6] == pytest.approx(0.05)
+    points = [(e.step, e.value) for e in acc.Scalars("optim/lr")]
+    # StepLR(step_size=1 epoch, gamma=0.5), halved when each epoch's last batch (steps 5, 10) ends. The rate is
+    # logged where it changes: the last point of each value and the first of the next, so a step is a step.
+    assert [step for step, _ in points] == [1, 4, 5, 9, 10]
+    assert [lr for _, lr in points] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
 
 
-def test_compile_metrics_and_reasons(runs) -> None:
+def _card(acc: EventAccumulator) -> str:
+    return acc.Tensors("compile/report/text_summary")[-1].tensor_proto.string_val[0].decode()
+
+
+def test_compile_card_has_counts_and_reasons(runs) -> None:
     acc = _events(runs["compiled"])
     tags = acc.Tags()
-    graphs = _values(acc, "compile/graphs")
-    recompiles = _values(acc, "compile/recompiles")
-    assert graphs[-1] >= 2 and recompiles[-1] >= 1  # validation + training, and the smaller last batch
-    assert graphs == sorted(graphs)  # counters only grow
-    assert len(acc.Scalars("compile/graph_time_s")) == int(graphs[-1])
-    assert max(_values(acc, "compile/compile_time_s")) > 0
-    assert _values(acc, "compile/graph_breaks")[-1] == 0
-    text_tags = acc.Tags()["tensors"]
-    assert (
-        "compile/graphs/text_summary" in text_tags and "compile/recompile_reasons/text_summary" in text_tags
-    )
-    reasons = acc.Tensors("compile/recompile_reasons/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert "forward" in reasons and ("size" in reasons or "grad_mode" in reasons), reasons
+    assert not [t for t in tags["scalars"] if t.startswith("compile/")]  # the counters are in the card
+    card = _card(acc)
+    # validation + training graphs, and the smaller last batch's recompile, with dynamo's reason
+    graphs = re.search(r"\| graphs \| (\d+) \((\d+) of them recompiles\) \|", card)
+    assert graphs is not None and int(graphs[1]) >= 2 and int(graphs[2]) >= 1, card
+    assert "| graph breaks | 0 |" in card
+    recompiles = card.split("### Recompiles")[1].split("###")[0]
+    assert "forward" in recompiles and ("size" in recompiles or "grad_mode" in recompiles), card
     assert "perf/samples_per_sec" in tags["scalars"]
 
 
@@ -205,6 +205,7 @@ def test_plain_strategy_has_no_compile_metrics(runs) -> None:
     assert "perf/samples_per_sec" in tags and "optim/lr" in tags
     assert not [t for t in tags if t.startswith("compile/")]
     assert not [t for t in tags if t.startswith("memory/")]  # CPU run: no CUDA memory
+    assert "compile/report/text_summary" not in _events(runs["plain"]).Tags()["tensors"]
 
 
 def test_image_grid_is_denormalised(runs) -> None:
@@ -218,7 +219,7 @@ def test_image_grid_is_denormalised(runs) -> None:
     assert torch.allclose(grid, expected, atol=1.5 / 255)
 
 
-def test_hparams_tab_has_params_and_final_metrics(runs) -> None:
+def test_hparams_tab_has_params_and_run_metrics(runs) -> None:
     acc = _events(runs["compiled"])
     content = acc.PluginTagToContent("hparams")
     session = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
@@ -229,8 +230,8 @@ def test_hparams_tab_has_params_and_final_metrics(runs) -> None:
     assert hparams["trainer/batch_size"].number_value == BATCH  # not the smaller last batch (4)
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
     metric_tags = {m.name.tag for m in experiment.experiment.metric_infos}
-    assert {"final/val_loss", "final/train_loss", "final/compile_graphs"} <= metric_tags
-    assert acc.Scalars("final/val_loss")[-1].value > 0
+    assert {"val_loss", "train_loss", "summary/compile_s", "summary/samples_per_sec"} <= metric_tags
+    assert acc.Scalars("summary/compile_s")[-1].value > 0
 
 
 def test_peak_flops_knows_the_h200(monkeypatch) -> None:
@@ -293,7 +294,7 @@ def test_tensorboard_server_lists_runs_and_scalars(runs, tmp_path) -> None:
             time.sleep(0.5)
         assert {"compiled/version_0", "plain/version_0"} <= set(run_names), run_names
         assert "perf/samples_per_sec" in tags["compiled/version_0"]
-        assert "compile/graphs" in tags["compiled/version_0"]
+        assert "summary/compile_s" in tags["compiled/version_0"]
         series = _get_json(f"{base}/data/plugin/scalars/scalars?run=compiled/version_0&tag=perf/step_time_ms")
         assert len(series) == 10 and all(point[2] > 0 for point in series)  # [wall_time, step, value]
         local = [e.value for e in _events(runs["compiled"]).Scalars("perf/step_time_ms")]
@@ -328,7 +329,7 @@ def test_compile_metrics_from_the_torch_compile_callback(tmp_path) -> None:
     )
     trainer.fit(TinyCNN(step_sleep=0.0), datamodule=ImageData(delay=0.0))
     acc = _events(Path(logger.log_dir))
-    assert _values(acc, "compile/graphs")[-1] >= 1
+    assert re.search(r"\| graphs \| [1-9]", _card(acc))
     assert not acc.Tags()["images"]  # log_images=False
 
 
@@ -364,24 +365,35 @@ def _fake_trainer(is_global_zero: bool = True, device: str = "cuda") -> SimpleNa
     )
 
 
-@pytest.mark.parametrize("rank_zero", [True, False])
-def test_exact_metrics_with_a_mocked_clock_and_device(monkeypatch, rank_zero: bool) -> None:
-    """Every clock read follows a sync of the device's current stream; the window averages are exact."""
-    import lightning_plugin.step_meter as step_meter_module
+class _FakeCudaEvent:
+    """A CUDA timing event on a fake clock: records the time when recorded, says when the host waited."""
 
+    def __init__(self, clock, events: list[str], enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.clock, self.events, self.time = clock, events, None
+
+    def record(self, stream=None) -> None:
+        self.events.append("record")
+        self.time = self.clock()
+
+    def synchronize(self) -> None:
+        self.events.append("sync")
+
+    def elapsed_time(self, end: _FakeCudaEvent) -> float:
+        return 1e3 * (end.time - self.time)
+
+
+@pytest.mark.parametrize("rank_zero", [True, False])
+def test_exact_metrics_with_cuda_events_and_no_sync_per_step(monkeypatch, rank_zero: bool) -> None:
+    """On CUDA the steps are timed with events; the host waits for them only when a window is logged, and the
+    window averages are exact."""
     events: list[str] = []
     ticks = iter([0.0, 1.0, 1.5, 1.75, 2.5, 2.6, 9.0])
-
-    def clock() -> float:
-        events.append("clock")
-        return next(ticks)
-
-    stream = SimpleNamespace(synchronize=lambda: events.append("sync"))
-    monkeypatch.setattr(step_meter_module, "time", SimpleNamespace(perf_counter=clock))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 29)
+    clock = lambda: next(ticks)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _FakeCudaEvent(clock, events, **kw))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1 << 31)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append("reset"))
 
     flops_per_sample, peak = 5e9, 1e11
     monitor = TrainingMonitor(
@@ -391,17 +403,21 @@ def test_exact_metrics_with_a_mocked_clock_and_device(monkeypatch, rank_zero: bo
     batch = (torch.zeros(4, 3, 2, 2), torch.zeros(4))
     monitor.setup(trainer, module, "fit")
     monitor.on_fit_start(trainer, module)
-    monitor.on_train_epoch_start(trainer, module)  # clock 0.0: the epoch's first fetch starts
+    monitor.on_train_epoch_start(trainer, module)  # 0.0: the epoch's first fetch starts
     for step in (1, 2):  # start/end at 1.0/1.5, then 1.75/2.5; 2.6 after the window is logged
         monitor.on_train_batch_start(trainer, module, batch, step - 1)
         trainer.global_step = step
+        if step == 2 and rank_zero:
+            assert events == ["record"] * 4  # no host sync in a step
         monitor.on_train_batch_end(trainer, module, None, batch, step - 1)
     calls = trainer.loggers[0].calls
     if not rank_zero:
-        assert calls == [] and "sync" not in events  # other ranks neither log nor pay for syncs
+        assert calls == [] and events == []  # other ranks neither log nor record
         return
-    assert events[-2:] == ["sync", "clock"] and len(events) == 12
-    assert all(events[i - 1] == "sync" for i, e in enumerate(events) if e == "clock")
+    # the fifth event ends the window; the host waits only now, then the peak is reset, then a new mark
+    assert (
+        events[:5] == ["record"] * 5 and set(events[5:-2]) == {"sync"} and events[-2:] == ["reset", "record"]
+    )
     assert len(calls) == 1 and calls[0][0] == 2
     metrics = calls[0][1]
     step_s, wait_s = 0.5 + 0.75, 1.0 + 0.25
@@ -410,10 +426,9 @@ def test_exact_metrics_with_a_mocked_clock_and_device(monkeypatch, rank_zero: bo
     assert metrics["perf/samples_per_sec"] == pytest.approx(8 / (step_s + wait_s))
     assert metrics["perf/flops_per_sec"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s))
     assert metrics["perf/mfu"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s) / peak)
-    assert metrics["memory/allocated_gib"] == 1.0
-    assert metrics["memory/reserved_gib"] == 1.5
-    assert metrics["memory/peak_gib"] == 2.0
+    assert metrics["memory/peak_gib"] == 2.0 and "memory/allocated_gib" not in metrics
     assert metrics["optim/lr"] == pytest.approx(0.01)
+    assert monitor.steps.fit_totals.samples == 8
 
 
 def test_uint8_batches_are_shown_as_they_are(tmp_path) -> None:
@@ -474,10 +489,11 @@ def test_graph_breaks_and_their_reasons_are_logged(tmp_path) -> None:
     acc = _quick_fit(
         tmp_path, WithGraphBreak(step_sleep=0.0), CompiledStrategy(backend="eager"), log_images=False
     )
-    assert _values(acc, "compile/graph_breaks")[-1] >= 1
-    assert _values(acc, "compile/graphs")[-1] >= 2  # the break splits forward in two
-    text = acc.Tensors("compile/break_reasons/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert text.startswith("- ") and "torch._dynamo.graph_break()" in text, text
+    card = _card(acc)
+    assert re.search(r"\| graph breaks \| [1-9]", card), card
+    assert re.search(r"\| graphs \| ([2-9]|\d\d)", card), card  # the break splits forward in two
+    breaks = card.split("### Graph breaks\n\n")[1]
+    assert breaks.startswith("- ") and "torch._dynamo.graph_break()" in breaks.split("###")[0], card
 
 
 class BadExample(TinyCNN):

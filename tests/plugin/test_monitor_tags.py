@@ -1,9 +1,10 @@
 """Every TensorBoard tag ``TrainingMonitor`` writes on a small compiled fit, pinned: dashboards and saved
 TensorBoard links use these names, so a refactor of the monitor must not rename, add or drop one unnoticed.
 
-Pinned on the monitor before it was split into a step meter and thin callbacks; the split must keep the list.
-Tags that need CUDA (``memory/*``) are checked by ``test_monitor.py``'s mocked-device test;
-``compile/kernel_decisions`` by ``test_kernel_selection_trainer.py``.
+Only what changes is a curve: the compiler's counters are in the ``compile/report`` card, and what is one
+value per run is a one-point ``summary/*`` scalar that the HParams tab shows. Tags that need CUDA
+(``memory/peak_gib``) are checked by ``test_monitor.py``'s mocked-device test; the card's kernel table by
+``test_kernel_selection_trainer.py``.
 """
 
 from __future__ import annotations
@@ -14,33 +15,34 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from lightning_plugin import CompiledStrategy, CompileStats
-from lightning_plugin.callbacks import CompileReport, HParamsRecord, ImageGrid, StepMonitor, TrainingMonitor
+from lightning_plugin import CompiledStrategy
+from lightning_plugin.callbacks import (
+    CompileReport,
+    HParamsRecord,
+    ImageGrid,
+    ScalarLayout,
+    StepMonitor,
+    TrainingMonitor,
+)
 from test_monitor import ImageData, WithGraphBreak, _events
 
-#: ``compile/<field>`` and ``final/compile_<field>`` for every field of ``CompileStats.as_dict()``: the
-#: monitor follows the stats, so a field added there shows up here by design.
-COMPILE_FIELDS = set(CompileStats().as_dict())
 SCALARS = {
-    # the monitor's own
+    # the monitor's own curves
     "perf/step_time_ms",
     "perf/samples_per_sec",
     "perf/data_wait_fraction",
     "perf/flops_per_sec",
     "perf/mfu",
     "optim/lr",
-    "compile/graph_time_s",
-    *(f"compile/{field}" for field in COMPILE_FIELDS),
-    # the HParams tab's metrics, which Lightning also writes as scalars
-    "final/train_loss",
-    "final/val_loss",
-    *(f"final/compile_{field}" for field in COMPILE_FIELDS),
+    # one point each: the HParams tab's values that are no curve
+    "summary/samples_per_sec",
+    "summary/compile_s",
     # the module's and Lightning's (not the monitor's, listed so the set is complete)
     "train_loss",
     "val_loss",
     "epoch",
 }
-TEXTS = {"compile/graphs", "compile/break_reasons", "compile/recompile_reasons"}
+TEXTS = {"compile/report"}
 IMAGES = {"samples/augmented"}
 HPARAMS = {
     "lr",
@@ -50,6 +52,7 @@ HPARAMS = {
     "trainer/precision",
     "trainer/max_epochs",
     "trainer/batch_size",
+    "compile/compile",
     "compile/backend",
     "compile/mode",
     "compile/fullgraph",
@@ -58,10 +61,15 @@ HPARAMS = {
     "compile/fallback",
     "compile/kernels",
 }
-FINAL_METRICS = {
-    "final/train_loss",
-    "final/val_loss",
-    *(f"final/compile_{field}" for field in COMPILE_FIELDS),
+#: The HParams tab's columns: the module's own curves (their last value) and the summary values.
+METRICS = {"train_loss", "val_loss", "summary/samples_per_sec", "summary/compile_s"}
+EXPECTED = {
+    "scalars": SCALARS,
+    "texts": TEXTS,
+    "images": IMAGES,
+    "hparams": HPARAMS,
+    "metrics": METRICS,
+    "layout": {"custom_scalars__config__"},  # the Custom Scalars charts
 }
 
 
@@ -95,31 +103,19 @@ def _fit_and_read_tags(root: Path, callbacks: list[pl.Callback]) -> dict[str, se
         "texts": {t.removesuffix("/text_summary") for t in tags["tensors"] if t.endswith("/text_summary")},
         "images": set(tags["images"]),
         "hparams": set(_hparams_session(acc).session_start_info.hparams),
-        "final": {m.name.tag for m in experiment.metric_infos},
+        "metrics": {m.name.tag for m in experiment.metric_infos},
+        "layout": set(acc.PluginTagToContent("custom_scalars")),
     }
 
 
 def test_the_monitor_writes_exactly_these_tags(tmp_path):
     tags = _fit_and_read_tags(tmp_path, [TrainingMonitor(log_every_n_steps=2, peak_flops=1e12, num_images=4)])
-    assert tags["scalars"] == SCALARS
-    assert {"compile/graphs", "compile/graph_breaks", "compile/recompiles", "compile/compile_time_s"} <= (
-        tags["scalars"]
-    )
-    assert tags["texts"] == TEXTS
-    assert tags["images"] == IMAGES
-    assert tags["hparams"] == HPARAMS
-    assert tags["final"] == FINAL_METRICS
+    assert tags == EXPECTED
 
 
-def test_the_four_parts_alone_write_the_same_tags(tmp_path):
+def test_the_five_parts_alone_write_the_same_tags(tmp_path):
     steps = StepMonitor(peak_flops=1e12)
     grid, report = ImageGrid(num_images=4, meter=steps.meter), CompileReport(meter=steps.meter)
-    parts = [steps, grid, report, HParamsRecord()]
+    parts = [steps, ScalarLayout(), grid, report, HParamsRecord(fit_totals=lambda: steps.fit_totals)]
     tags = _fit_and_read_tags(tmp_path, parts)
-    assert tags == {
-        "scalars": SCALARS,
-        "texts": TEXTS,
-        "images": IMAGES,
-        "hparams": HPARAMS,
-        "final": FINAL_METRICS,
-    }
+    assert tags == EXPECTED

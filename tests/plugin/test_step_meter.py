@@ -100,3 +100,37 @@ def test_a_loader_that_declares_nothing_is_not_searched():
     op = SimpleNamespace(mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6))
     trainer = SimpleNamespace(train_dataloader=SimpleNamespace(pipeline=SimpleNamespace(ops=[op])))
     assert _loader_normalization(trainer) == (None, None)
+
+
+class _Event:
+    """A fake CUDA timing event: the time it was recorded at, and whether the host waited for it."""
+
+    def __init__(self, clock, log: list[str]) -> None:
+        self.clock, self.log, self.time = clock, log, None
+
+    def record(self, stream=None) -> None:
+        self.time = self.clock()
+
+    def synchronize(self) -> None:
+        self.log.append("wait")
+
+    def elapsed_time(self, end: _Event) -> float:
+        return 1e3 * (end.time - self.time)  # milliseconds, as CUDA's
+
+
+def test_cuda_events_are_read_only_when_the_span_is(monkeypatch):
+    from lightning_plugin.step_meter import CudaEventClock
+
+    ticks, log = iter([0.0, 1.0, 1.5, 1.75, 2.5]), []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    timeline = CudaEventClock(torch.device("cuda", 0), event_factory=lambda: _Event(lambda: next(ticks), log))
+    meter = StepMeter(timeline=timeline)
+    meter.discard()
+    meter.step_started()
+    meter.step_ended(4)
+    meter.step_started()
+    meter.step_ended(3)
+    assert meter.steps == 2 and log == []  # counting steps reads no time: no host wait in a step
+    assert meter.take() == StepTotals(steps=2, samples=7, step_s=1.25, wait_s=1.25)
+    assert log and set(log) == {"wait"}
+    assert meter.take() == StepTotals()

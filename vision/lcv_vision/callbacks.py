@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_plugin.step_meter import StepMeter, StepTotals, stream_synchronizer
+from lightning_plugin.step_meter import StepMeter, StepTotals, device_timeline
 from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = [
@@ -36,8 +36,9 @@ class ThroughputMeter(Callback):
     :class:`~lightning_plugin.step_meter.StepMeter` as ``TrainingMonitor``'s ``perf/samples_per_sec``.
 
     An epoch's time runs from its start to its last training batch, so data loading counts but validation does
-    not; the device's current stream is synchronised before each reading. An epoch resumed from a mid-epoch
-    checkpoint (Lightning does not call ``on_train_epoch_start`` for it) starts its clock at its first batch.
+    not; on CUDA the time comes from events on the device's current stream, read once per epoch. An epoch
+    resumed from a mid-epoch checkpoint (Lightning does not call ``on_train_epoch_start`` for it) starts its
+    clock at its first batch.
     """
 
     def __init__(self) -> None:
@@ -55,7 +56,7 @@ class ThroughputMeter(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.meter.synchronize = stream_synchronizer(trainer.strategy.root_device)
+        self.meter.timeline = device_timeline(trainer.strategy.root_device)
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

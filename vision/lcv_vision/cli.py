@@ -45,6 +45,7 @@ from lcv_vision.recipes import (
     recipe_defaults,
 )
 from lcv_vision.renamed_packages import upgrade_config_files
+from lcv_vision.run_logs import HeldFinalize, prepare_hparams, weights_tagged
 from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = ["LcvCLI", "LcvError", "ThroughputMeter", "main", "run"]
@@ -116,6 +117,7 @@ class LcvCLI(LightningCLI):
         self.test_results: dict[str, Mapping[str, float]] = {}
         self._argv = list(sys.argv[1:] if kwargs.get("args") is None else kwargs["args"])
         self._checkpoint_hparams: dict[str, Any] = {}
+        self._held_finalize: HeldFinalize | None = None
         _quiet_lightning()
         kwargs.setdefault("parser_kwargs", {"prog": "lcv"})
         super().__init__(
@@ -252,19 +254,30 @@ class LcvCLI(LightningCLI):
             )
 
     # ------------------------------------------------------------------------------------- subcommands
+    def before_fit(self) -> None:
+        tested = self.config["fit"].get("test_after_fit", True)
+        prepare_hparams(self.trainer, self.model.evaluation_weights() if tested else [])
+
     def after_fit(self) -> None:
-        config = self.config["fit"]
-        if self.trainer.interrupted:
-            return
-        if config.get("test_after_fit", True):
-            module = self.model
-            for name in module.evaluation_weights():
-                with module.evaluating_with(name):
-                    results = self.trainer.test(module, datamodule=self.datamodule, verbose=False)
-                if results:
-                    self.test_results[name] = results[0]
-        if self.trainer.is_global_zero:
+        try:
+            self._test_after_fit()
+        finally:
+            if self._held_finalize is not None:
+                self._held_finalize.release()  # the run's TensorBoard event file closes here
+                self._held_finalize = None
+        if self.trainer.is_global_zero and not self.trainer.interrupted:
             print(self.fit_summary())
+
+    def _test_after_fit(self) -> None:
+        """Test each evaluated weights; their metrics go to the fit's event file as ``test/<weights>/*``."""
+        if self.trainer.interrupted or not self.config["fit"].get("test_after_fit", True):
+            return
+        module = self.model
+        for name in module.evaluation_weights():
+            with module.evaluating_with(name), weights_tagged(self.trainer, name):
+                results = self.trainer.test(module, datamodule=self.datamodule, verbose=False)
+            if results:
+                self.test_results[name] = results[0]
 
     def fit(
         self, model: LightningModule, datamodule: Any = None, ckpt_path: Any = None, **kwargs: Any
@@ -281,7 +294,14 @@ class LcvCLI(LightningCLI):
                 )
             if self.trainer.is_global_zero:
                 print(self.plan_line(model, datamodule, ckpt_path), flush=True)
-            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+            # Lightning closes the loggers when fit ends; the tests after it must write to the same file.
+            self._held_finalize = HeldFinalize(self.trainer.loggers)
+            try:
+                self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+            except BaseException:
+                self._held_finalize.release()
+                self._held_finalize = None
+                raise
 
     def plan_line(self, model: LightningModule, datamodule: Any, ckpt_path: Any) -> str:
         """One line before training: recipe, model, data, device and how the strategy compiles."""
