@@ -57,6 +57,7 @@ def fp32_package(digits_checkpoint: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def int8_package(digits_checkpoint: Path) -> Path:
+    pytest.importorskip("torchao", reason="int8 export needs torchao (the [quantize] extra)")
     from lcv_vision.deploy.export import export_package
 
     out = digits_checkpoint.parent / "digits-int8.pt2"

@@ -8,6 +8,7 @@ quantization, calibrated on training images like the PT2E path.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,18 @@ def _quantize_static(source: Path, out: Path, calibration: torch.Tensor) -> None
             batch = next(self.batches, None)
             return None if batch is None else {"images": batch.numpy()}
 
-    quantization.quantize_static(
-        str(source),
-        str(out),
-        Reader(),
-        quant_format=quantization.QuantFormat.QDQ,
-        per_channel=True,
-        activation_type=quantization.QuantType.QInt8,
-        weight_type=quantization.QuantType.QInt8,
-    )
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # its advice to pre-process and per-axis notes on BN vectors, on the root logger
+    try:
+        quantization.quantize_static(
+            str(source),
+            str(out),
+            Reader(),
+            quant_format=quantization.QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=quantization.QuantType.QInt8,
+            weight_type=quantization.QuantType.QInt8,
+        )
+    finally:
+        root.setLevel(level)
