@@ -108,7 +108,9 @@ def _quantize_static(source: Path, out: Path, calibration: torch.Tensor) -> None
 
     root = logging.getLogger()
     level = root.level
-    root.setLevel(logging.ERROR)  # its advice to pre-process and per-axis notes on BN vectors, on the root logger
+    root.setLevel(
+        logging.ERROR
+    )  # its advice to pre-process and per-axis notes on BN vectors, on the root logger
     try:
         quantization.quantize_static(
             str(source),
