@@ -158,4 +158,7 @@ def build_server(
 def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
     """Build the server and run it until interrupted; binds ``host`` only (127.0.0.1 unless told)."""
     server = build_server(package, **options)
-    server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
+    try:
+        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT is how a server is stopped, not an error
+        pass
