@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import cifar_jpegs, run_fresh
+from deploy_helpers import cifar_jpegs, run_fresh
 from lcv_kernels.tolerances import reduction_tolerance
 from lcv_vision.deploy import IncompatiblePackageError, UnexportableModelError, load_package
 from lcv_vision.deploy.capture import capture

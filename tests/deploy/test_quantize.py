@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_fresh
+from deploy_helpers import run_fresh
 from lcv_vision.deploy import MissingExtraError, load_package
 from lcv_vision.deploy.export import InferenceModel, example_batch
 from lcv_vision.deploy.quantize import numeric_padding, quantize_int8

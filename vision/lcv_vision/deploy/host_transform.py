@@ -93,6 +93,8 @@ class HostTransform:
             op = _OPS[name](*_op_args(name, args))
             params = op.sample(1, batch.shape[-2], batch.shape[-1], torch.Generator().manual_seed(0))
             batch = op.apply(batch, params)
+        if batch.is_floating_point():  # a fractional resample (ResizeCenterCrop): the package takes uint8
+            batch = batch.round().clamp(0, 255).to(torch.uint8)
         if tuple(batch.shape[-2:]) != self.size:
             raise ValueError(f"the host transform gave {tuple(batch.shape[-2:])}, not {self.size}")
         return batch[0].contiguous()
