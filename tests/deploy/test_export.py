@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,17 @@ def test_deploy_commands_fail_in_one_line(argv, message, tmp_path, monkeypatch, 
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 1 and err == f"lcv: error: {message}"
+
+
+def test_importing_lcv_needs_no_deploy_extra():
+    """torchao, litserve and onnx are imported by the commands that use them, never by ``import lcv_vision``."""
+    code = (
+        "import sys, lcv_vision.cli, lcv_vision.deploy\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torchao', 'litserve', 'onnx', 'onnxruntime', 'onnxscript', 'multipart')))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(root / p) for p in ("", "kernels", "vision"))}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
