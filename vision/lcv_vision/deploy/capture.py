@@ -6,6 +6,7 @@ be captured, the line and the module (class and name in the model) that runs it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import logging
@@ -92,21 +93,18 @@ def _locations(err: BaseException) -> list[tuple[str, int]]:
     return found
 
 
-class _quiet_export_logs:
+@contextlib.contextmanager
+def _quiet_export_logs() -> Iterator[None]:
     """Export logs the partial graph of a failure at WARNING; the one-line error says what matters."""
-
-    _NAMES = ("torch._dynamo", "torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes")
-
-    def __enter__(self) -> None:
-        self._levels = [(logger, logger.level) for logger in _loggers(self._NAMES)]
-        for logger, _ in self._levels:
-            logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc: object) -> None:
-        for logger, level in self._levels:
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 
 
-def _loggers(names: tuple[str, ...]) -> Iterator[logging.Logger]:
-    for name in names:
-        yield logging.getLogger(name)
+_EXPORT_LOGGERS = ("torch._dynamo", "torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes")

@@ -92,12 +92,10 @@ def _export(args: argparse.Namespace) -> None:
         device=args.device,
     )
     kind = "int8" if info.quantization == "int8" else info.precision
+    target = f"cpu {info.cpu_capability}" if info.device == "cpu" else info.device
     print(
-        f"lcv export: wrote {args.out} ({kind}, recipe {info.recipe}, uint8 input [N, 3, "
-        f"{info.input_size[0]}, {info.input_size[1]}], {len(info.class_names)} classes, {info.device} "
-        f"{info.cpu_capability if info.device == 'cpu' else ''}, torch {info.torch_version})".replace(
-            " ,", ","
-        )
+        f"lcv export: wrote {args.out} ({kind}, recipe {info.recipe}, uint8 input [N, 3, {info.input_size[0]}, "
+        f"{info.input_size[1]}], {len(info.class_names)} classes, {target}, torch {info.torch_version})"
     )
 
 

@@ -8,6 +8,7 @@ host does no float work and cannot normalise with the wrong constants.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,13 +82,15 @@ def load_trained(checkpoint: str | Path, data_root: str | None = None) -> Traine
     assert module.model is not None  # built from the saved num_classes by on_load_checkpoint
     network = module.ema.module if module.evaluation_weights()[0] == "EMA" and module.ema else module.model
     data_hparams = dict(saved.get("datamodule_hyper_parameters") or {})
-    if data_root is not None:
-        key = "zip_path" if recipe.dataset == "cifar10" and data_root.lower().endswith(".zip") else "root"
-        data_hparams.update({"root": None, "zip_path": None} if recipe.dataset == "cifar10" else {})
-        data_hparams[key] = data_root
-    known = DATAMODULES[recipe.dataset].__init__.__code__.co_varnames
+    if data_root is not None:  # the data moved: replace where the checkpoint says it was
+        data_hparams.pop("zip_path", None)
+        data_hparams.pop("root", None)
+        zipped = recipe.dataset == "cifar10" and data_root.lower().endswith(".zip")
+        data_hparams["zip_path" if zipped else "root"] = data_root
+    known = inspect.signature(DATAMODULES[recipe.dataset]).parameters
+    data_hparams = {k: v for k, v in data_hparams.items() if k in known}
     try:
-        datamodule = build_datamodule(recipe, **{k: v for k, v in data_hparams.items() if k in known})
+        datamodule = build_datamodule(recipe, **data_hparams)
     except (ValueError, OSError) as err:
         raise DeployError(
             f"cannot set up the data of recipe {recipe.name!r} ({err}); give --data-root"

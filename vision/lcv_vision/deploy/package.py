@@ -198,7 +198,7 @@ def load_package(path: str | Path) -> DeployedModel:
     """Load a package written by ``lcv export``; one-line errors for a wrong torch or CPU (see
     :func:`check_compatible`)."""
     source = f"package {str(path)!r}"
-    metadata = _peek_metadata(path)
+    metadata = read_metadata(path)
     if metadata is not None:  # check before the native code is loaded
         check_compatible(PackageInfo.from_metadata(metadata, source), source)
     runner, info = read_info(path)
@@ -206,9 +206,9 @@ def load_package(path: str | Path) -> DeployedModel:
     return DeployedModel(runner, info)
 
 
-def _peek_metadata(path: str | Path) -> dict[str, str] | None:
-    """The metadata from the archive's ``*_metadata.json`` without loading the shared library; ``None`` when
-    the layout is not the expected one (then the loader's own ``get_metadata`` answers)."""
+def read_metadata(path: str | Path) -> dict[str, str] | None:
+    """The package's metadata read from its zip (``*.wrapper_metadata.json``) without loading its native code;
+    ``None`` when the layout is not the expected one (then the loader's own ``get_metadata`` answers)."""
     import zipfile
 
     try:

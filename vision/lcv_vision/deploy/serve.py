@@ -22,7 +22,7 @@ import torch
 from lcv_vision.deploy.errors import DeployError, ImageRejectedError, import_extra
 from lcv_vision.deploy.host_transform import HostTransform
 from lcv_vision.deploy.images import DEFAULT_MAX_BYTES, decode_image
-from lcv_vision.deploy.package import PackageInfo, _peek_metadata, load_package
+from lcv_vision.deploy.package import PackageInfo, load_package, read_metadata
 
 __all__ = ["API_PATH", "ImageIntake", "build_server", "serve"]
 
@@ -139,7 +139,7 @@ def build_server(
     if max_batch_size < 1 or batch_timeout < 0 or workers < 1 or top_k < 1:
         raise DeployError("--max-batch-size, --workers and --top-k must be >= 1, --batch-timeout >= 0")
     load_package(package)  # the torch/CPU checks, in this process, as one line
-    metadata = _peek_metadata(package)
+    metadata = read_metadata(package)
     assert metadata is not None  # load_package just read the same archive
     info = PackageInfo.from_metadata(metadata)
     max_bytes = max_image_bytes if max_image_bytes is not None else DEFAULT_MAX_BYTES
