@@ -21,7 +21,13 @@ from lcv_vision.deploy.capture import capture
 from lcv_vision.deploy.errors import UnsupportedPrecisionError
 from lcv_vision.deploy.export import InferenceModel, check_precision, example_batch
 from lcv_vision.deploy.images import decode_image
-from lcv_vision.deploy.package import METADATA_KEY, PackageInfo, check_compatible, cpu_capability
+from lcv_vision.deploy.package import (
+    METADATA_KEY,
+    PackageInfo,
+    amx_supported,
+    check_compatible,
+    cpu_capability,
+)
 from lcv_vision.module import ClassificationModule
 
 pytestmark = pytest.mark.xdist_group("deploy")
@@ -214,3 +220,34 @@ def test_importing_lcv_needs_no_deploy_extra():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.skipif(not amx_supported(), reason="bf16 packages are built only for CPUs with AMX (none here)")
+def test_bf16_package_on_an_amx_cpu_matches_fp32_within_bf16_rounding(
+    digits_checkpoint, digits_test_set, tmp_path
+):
+    from lcv_vision.deploy.export import export_package, load_trained
+
+    out = tmp_path / "digits-bf16.pt2"
+    assert export_package(digits_checkpoint, out, precision="bf16").needs_amx
+    images = digits_test_set[0]
+    trained = load_trained(digits_checkpoint)
+    with torch.no_grad():
+        reference = InferenceModel(trained.network, trained.mean, trained.std).eval()(images)
+    logits = load_package(out)(images)
+    # Each conv/linear output is rounded to bf16 once (eps 2**-7), on both sides of a comparison at most twice.
+    layers = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in trained.network.modules())
+    bound = layers * 2 * torch.finfo(torch.bfloat16).eps * (1.0 + reference.abs().max().item())
+    assert (logits - reference).abs().max().item() <= bound
+    assert (logits.argmax(1) == reference.argmax(1)).float().mean() >= 0.95
+
+
+def test_a_bf16_package_is_refused_on_a_cpu_without_amx(fp32_package, monkeypatch):
+    import dataclasses
+
+    import lcv_vision.deploy.package as package
+
+    bf16 = dataclasses.replace(load_package(fp32_package).info, precision="bf16", needs_amx=True)
+    monkeypatch.setattr(package, "amx_supported", lambda: False)
+    with pytest.raises(IncompatiblePackageError, match="bf16 for CPUs with AMX, and this CPU has none"):
+        check_compatible(bf16, "package 'x'")
