@@ -2,7 +2,7 @@
 
     python benchmarks/int8_accuracy.py                                   # digits-small, its full 12 epochs
     python benchmarks/int8_accuracy.py --recipe cifar10-resnet18 --zip-path ../shared/data/cifar10-jpeg.zip \\
-        --epochs 4 --limit-per-class 500 --batch-size 128
+        --epochs 4 --limit-per-class 500 --batch-size 128 --lr 0.1
 
 Trains the recipe eagerly (fp32, no logger) unless ``--checkpoint`` is given, exports both packages with
 ``lcv_vision.deploy``, and classifies the test split with each (the plain evaluation: no test-time
@@ -25,13 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_results  # noqa: E402
 
 
-def train(recipe: str, epochs: int, data: dict, folder: Path) -> tuple[Path, float]:
+def train(recipe: str, epochs: int, data: dict, model: dict, folder: Path) -> tuple[Path, float]:
     import lightning.pytorch as pl
 
     from lcv_vision.recipes import build
 
     pl.seed_everything(0, verbose=False)
-    module, datamodule = build(recipe, data=data)
+    module, datamodule = build(recipe, data=data, model=model)
     trainer = pl.Trainer(
         max_epochs=epochs,
         logger=False,
@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--zip-path", default=None, help="CIFAR-10 JPEG zip (cifar10 recipes)")
     parser.add_argument("--limit-per-class", type=int, default=None, help="images per class, train and test")
     parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (scale it with --batch-size)"
+    )
     parser.add_argument("--calibration-images", type=int, default=256)
     parser.add_argument("--keep-dir", default=None, help="copy the checkpoint and both packages here")
     args = parser.parse_args()
@@ -94,7 +97,9 @@ def main() -> None:
         train_s = None
         checkpoint = Path(args.checkpoint) if args.checkpoint else None
         if checkpoint is None:
-            checkpoint, train_s = train(recipe.name, epochs, data, folder)
+            checkpoint, train_s = train(
+                recipe.name, epochs, data, {} if args.lr is None else {"lr": args.lr}, folder
+            )
         started = time.perf_counter()
         export_package(checkpoint, folder / "fp32.pt2")
         fp32_s = time.perf_counter() - started
@@ -117,6 +122,7 @@ def main() -> None:
         "recipe": recipe.name,
         "epochs": None if args.checkpoint else epochs,
         "data": {k: v for k, v in data.items()},
+        "lr": args.lr,
         "test_images": len(split.targets),
         "calibration_images": args.calibration_images,
         "evaluation": "plain eval transform, no test-time augmentation",

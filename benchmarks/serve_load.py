@@ -5,8 +5,10 @@
 Starts the real server (a subprocess, a free port on 127.0.0.1), computes the offline prediction of every image
 with ``load_package(...).predict``, then for each ``--clients`` count sends ``--requests`` requests (raw JPEG
 bodies, cycling through ``--images`` CIFAR-10 test files) from that many threads, each with its own keep-alive
-connection. An answer is wrong when its labels differ from the offline ones or a probability differs by more
-than 1e-4. Writes ``benchmarks/results/serve-cpu.json`` (p50/p99 latency, requests/s, lost and wrong answers,
+connection. An answer is wrong when its top-1 label differs from the offline one; the largest probability
+difference is reported too (an int8 package computes a batch of one along another path than larger batches:
+an activation that lands on the other side of a quantization step moves probabilities by ~1e-3; fp32 ~1e-6).
+Writes ``benchmarks/results/serve-cpu.json`` (p50/p99 latency, requests/s, lost and wrong answers,
 the load average: the clients, the HTTP server and the model share this machine's cores).
 """
 
@@ -69,6 +71,8 @@ def run_load(port: int, bodies: list[bytes], expected: list[dict], clients: int,
     local = threading.local()
     latencies: list[float] = []
     wrong = lost = 0
+    mismatches: list[dict] = []
+    differences: list[float] = []
     lock = threading.Lock()
 
     def one(i: int) -> None:
@@ -82,7 +86,9 @@ def run_load(port: int, bodies: list[bytes], expected: list[dict], clients: int,
             response = local.conn.getresponse()
             payload = response.read()
             elapsed = time.perf_counter() - started
-            ok = response.status == 200 and _same(json.loads(payload), expected[i % len(bodies)])
+            answer = json.loads(payload)
+            ok = response.status == 200 and _same(answer, expected[i % len(bodies)])
+            difference = _difference(answer, expected[i % len(bodies)]) if ok else 0.0
         except (OSError, http.client.HTTPException, ValueError):
             local.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             with lock:
@@ -91,6 +97,11 @@ def run_load(port: int, bodies: list[bytes], expected: list[dict], clients: int,
         with lock:
             latencies.append(elapsed)
             wrong += 0 if ok else 1
+            differences.append(difference)
+            if not ok and len(mismatches) < 3:
+                mismatches.append(
+                    {"image": i % len(bodies), "got": answer, "expected": expected[i % len(bodies)]}
+                )
 
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -105,13 +116,24 @@ def run_load(port: int, bodies: list[bytes], expected: list[dict], clients: int,
         "requests_per_s": round(len(latencies) / wall, 1),
         "p50_ms": round(float(np.percentile(ms, 50)), 2) if len(ms) else None,
         "p99_ms": round(float(np.percentile(ms, 99)), 2) if len(ms) else None,
+        "max_probability_difference": round(max(differences, default=0.0), 6),
+        "answers_differing_by_over_1e-4": sum(d > 1e-4 for d in differences),
+        "first_mismatches": mismatches,
     }
 
 
 def _same(answer: dict, expected: dict) -> bool:
-    got, want = answer.get("predictions", []), expected["predictions"]
-    return [p["label"] for p in got] == [p["label"] for p in want] and all(
-        abs(a["probability"] - b["probability"]) <= 1e-4 for a, b in zip(got, want)
+    """The same top-1 label as offline (what a client acts on)."""
+    got = answer.get("predictions", [])
+    return bool(got) and got[0]["label"] == expected["predictions"][0]["label"]
+
+
+def _difference(answer: dict, expected: dict) -> float:
+    """Largest probability difference over the top-k labels both name."""
+    want = {p["label"]: p["probability"] for p in expected["predictions"]}
+    return max(
+        (abs(p["probability"] - want[p["label"]]) for p in answer["predictions"] if p["label"] in want),
+        default=0.0,
     )
 
 
