@@ -161,7 +161,9 @@ def compile_package(program: torch.export.ExportedProgram, out: str | Path, info
     if info.device == "cpu":
         configs["freezing"] = True  # weights become constants: prepacked oneDNN convs, fused int8 patterns
     with torch.no_grad():  # Inductor freezes (and lowers int8 patterns to oneDNN) only without autograd
-        path = torch._inductor.aoti_compile_and_package(program, package_path=str(out), inductor_configs=configs)
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(out), inductor_configs=configs
+        )
     return Path(path)
 
 
