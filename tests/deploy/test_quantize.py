@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -58,3 +59,12 @@ def test_missing_torchao_is_one_line_naming_the_extra(monkeypatch):
     model = InferenceModel(nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten()), (0.5,) * 3, (0.5,) * 3)
     with pytest.raises(MissingExtraError, match=r"pip install 'lightning-compiled-vision\[quantize\]'$"):
         quantize_int8(model, example_batch((8, 8)), example_batch((8, 8)), progress=False)
+
+
+def test_int8_package_calls_onednn_int8_kernels(int8_package):
+    """The mechanism of int8's speed: frozen weights let Inductor lower the quantized patterns to oneDNN's
+    ``qconv_pointwise``; unfrozen, the package runs fp32 convolutions around dequantize nodes."""
+    with zipfile.ZipFile(int8_package) as archive:
+        wrapper = "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith("wrapper.cpp"))
+    assert "qconv_pointwise" in wrapper
+    assert "aoti_torch_cpu_convolution(" not in wrapper
