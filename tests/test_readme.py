@@ -35,6 +35,7 @@ ENV = {
 # Commands that are not this project's: their first word is enough.
 EXTERNAL = {"pip", "pip3", "tensorboard", "git", "cd", "export", "ls", "cat", "uptime"}
 LCV_SUBCOMMANDS = {"fit", "validate", "test", "predict"}
+DEPLOY_SUBCOMMANDS = {"export", "classify", "serve"}  # plain argparse: `lcv export --help` lists their flags
 DEFAULT_RECIPE = "digits-small"  # what `lcv fit --help` shows without --recipe
 _FENCE = re.compile(r"^```(\w*)\s*\n(.*?)^```\s*$", re.S | re.M)
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
@@ -140,6 +141,8 @@ class Command:
 
 def lcv_help_key(cmd: Command) -> tuple[str, ...] | None:
     """The ``lcv`` arguments whose ``--help`` lists this command's flags (subcommand and recipe)."""
+    if len(cmd.words) > 1 and cmd.words[1] in DEPLOY_SUBCOMMANDS:
+        return (cmd.words[1],)
     if len(cmd.words) < 2 or cmd.words[1] not in LCV_SUBCOMMANDS:
         return None
     key = ["fit"]  # validate, test and predict take fit's options (the subcommand is checked on its own)
@@ -251,7 +254,7 @@ def command_problems(
             sub = cmd.words[1] if len(cmd.words) > 1 else ""
             if sub == "recipes":
                 continue
-            if sub not in LCV_SUBCOMMANDS:
+            if sub not in LCV_SUBCOMMANDS | DEPLOY_SUBCOMMANDS:
                 problems.append(f"{where}: no lcv subcommand {sub!r}")
                 continue
             key = lcv_help_key(cmd)

@@ -34,6 +34,8 @@ from typing_extensions import override
 from lcv_vision.callbacks import BestAndLastCheckpoint, ThroughputMeter
 from lcv_vision.compiler_summary import CompilerSummary
 from lcv_vision.data.datasets import DatasetError
+from lcv_vision.deploy.cli import DEPLOY_SUBCOMMANDS
+from lcv_vision.deploy.cli import main as deploy_main
 from lcv_vision.finetune import WeightsError
 from lcv_vision.module import ClassificationModule
 from lcv_vision.recipes import (
@@ -56,12 +58,15 @@ _USAGE = """usage: lcv {fit,validate,test,predict} --recipe NAME [--config FILE]
 [--data.* ...]
                                          [--trainer.* ...] [--ckpt_path CKPT]
        lcv recipes [NAME | PATTERN]
+       lcv {export,classify,serve} ...           (lcv export --help: a checkpoint -> a served model)
 
   lcv recipes                                  list the recipes (`lcv recipes NAME` shows one in full)
   lcv fit --recipe digits-small                train the default recipe (offline, CPU ok)
   lcv fit --recipe cifar10-airbench --data.root data/ --data.download true --trainer.max_epochs 3
   lcv test --ckpt_path runs/digits-small/version_0/checkpoints/last.ckpt
-  lcv fit --recipe NAME --help                 every option, with the recipe's values as defaults"""
+  lcv fit --recipe NAME --help                 every option, with the recipe's values as defaults
+  lcv export CKPT --out model.pt2 [--quantize int8]   one AOTInductor file (docs/deploy.md)
+  lcv classify model.pt2 image.jpg             top-5 labels;  lcv serve model.pt2: an HTTP server"""
 
 
 class LcvError(ValueError):
@@ -539,12 +544,14 @@ def run(args: list[str] | None = None, gpu: bool | None = None) -> LcvCLI | None
         if not argv or argv[0] in ("-h", "--help"):
             print(_USAGE)
             return None
+        if argv[0] in DEPLOY_SUBCOMMANDS:
+            deploy_main(argv)
+            return None
         if argv[0] not in _SUBCOMMANDS:
-            close = difflib.get_close_matches(argv[0], [*_SUBCOMMANDS, "recipes"], n=1)
+            known = [*_SUBCOMMANDS, "recipes", *DEPLOY_SUBCOMMANDS]
+            close = difflib.get_close_matches(argv[0], known, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise LcvError(
-                f"unknown subcommand {argv[0]!r}.{hint} Choose from {', '.join(_SUBCOMMANDS)}, recipes"
-            )
+            raise LcvError(f"unknown subcommand {argv[0]!r}.{hint} Choose from {', '.join(known)}")
         name = _recipe_name(argv)
         if name is None:
             if "-h" in argv or "--help" in argv:

@@ -1,0 +1,40 @@
+"""``lcv export --format onnx``: an ONNX file ONNX Runtime runs with the eager logits; its static int8."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lcv_vision.cli import main
+from lcv_vision.deploy.export import InferenceModel, load_trained
+from lcv_vision.deploy.onnx_export import onnx_logits
+from lcv_vision.deploy.package import METADATA_KEY
+
+pytestmark = pytest.mark.xdist_group("deploy")
+
+
+def test_onnx_file_matches_eager_logits_in_onnx_runtime(digits_checkpoint, digits_test_set, tmp_path, capsys):
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    out = tmp_path / "digits-int8.onnx"
+    main(["export", str(digits_checkpoint), "--out", str(out), "--format", "onnx", "--quantize", "int8"])
+    assert "ONNX Runtime fp32 matches eager logits" in capsys.readouterr().out
+    fp32_path = out.with_suffix(".fp32.onnx")
+    props = {p.key: p.value for p in onnx.load(str(fp32_path)).metadata_props}
+    assert json.loads(props[METADATA_KEY])["recipe"] == "digits-small"
+
+    images, labels = digits_test_set
+    trained = load_trained(digits_checkpoint)
+    with torch.no_grad():
+        reference = InferenceModel(trained.network, trained.mean, trained.std).eval()(images)
+    fp32 = torch.from_numpy(onnx_logits(fp32_path, images))
+    # Another runtime's fp32 kernels: same sums in another order (see test_export's tolerance for the derivation
+    # of the per-layer bound; 1e-4 relative to the largest logit is far above it and far below a wrong graph).
+    assert (fp32 - reference).abs().max() <= 1e-4 * (1 + reference.abs().max())
+    int8 = torch.from_numpy(onnx_logits(out, images))
+    agreement = float((int8.argmax(1) == fp32.argmax(1)).float().mean())
+    assert agreement >= 0.9  # quantized, not broken (chance is 0.1)
+    assert float((int8.argmax(1) == labels).float().mean()) >= 0.85

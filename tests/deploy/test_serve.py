@@ -1,0 +1,171 @@
+"""``lcv serve``: the real server in a subprocess, good and bad requests over HTTP, a clean stop."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from lcv_vision.deploy import load_package
+from lcv_vision.deploy.images import decode_image
+
+pytestmark = pytest.mark.xdist_group("deploy")
+
+MAX_IMAGE_BYTES = 50_000
+_REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(fp32_package, tmp_path_factory):
+    """``lcv serve`` on a free port, in its own process group (LitServe starts worker processes)."""
+    pytest.importorskip("litserve")
+    folder = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(str(_REPOSITORY / p) for p in ("", "kernels", "vision")),
+    }
+    command = [sys.executable, "-m", "lcv_vision.cli", "serve", str(fp32_package), "--port", str(port)]
+    command += [
+        "--max-batch-size",
+        "4",
+        "--batch-timeout",
+        "0.005",
+        "--max-image-bytes",
+        str(MAX_IMAGE_BYTES),
+    ]
+    log = open(folder / "server.log", "w")
+    process = subprocess.Popen(
+        command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (folder / "server.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                if answer.read() == b"ok":
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        pytest.fail("the server did not answer /health in 180 s")
+    yield url, folder
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+
+
+def post(url: str, body: bytes, content_type: str = "application/octet-stream") -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}/predict", data=body, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        text = err.read().decode()
+        assert "\n" not in text.strip(), text
+        return err.code, json.loads(text)
+
+
+def multipart(data: bytes, filename: str) -> tuple[bytes, str]:
+    boundary = "lcv-test-boundary"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def encoded(image: np.ndarray, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format=fmt, **options)
+    return out.getvalue()
+
+
+def assert_same(answer: dict, expected: dict) -> None:
+    """Labels equal; probabilities within what another batch composition changes (fp32 logits)."""
+    assert [p["label"] for p in answer["predictions"]] == [p["label"] for p in expected["predictions"]]
+    for got, want in zip(answer["predictions"], expected["predictions"]):
+        assert abs(got["probability"] - want["probability"]) <= 1e-5
+
+
+def test_answers_equal_offline_predictions(server, fp32_package, digits_test_set):
+    url, folder = server
+    model = load_package(fp32_package)
+    digits = [image.permute(1, 2, 0).numpy() for image in digits_test_set[0][:12]]
+    bodies = [encoded(d, "PNG") for d in digits[:4]] + [encoded(d, "JPEG", quality=95) for d in digits[4:8]]
+    bodies += [encoded(d, "WEBP", lossless=True) for d in digits[8:]]
+    expected = [model.predict([decode_image(body)], top_k=5)[0].as_dict() for body in bodies]
+    for body, want in zip(bodies[:2], expected[:2]):  # raw bytes, then a multipart upload
+        assert_same(post(url, body)[1], want)
+        form, content_type = multipart(body, "digit.png")
+        status, answer = post(url, form, content_type)
+        assert status == 200
+        assert_same(answer, want)
+    with ThreadPoolExecutor(8) as pool:  # concurrent: batched by the server
+        answers = list(pool.map(lambda body: post(url, body), bodies * 2))
+    for (status, answer), want in zip(answers, expected * 2):
+        assert status == 200
+        assert_same(answer, want)
+    assert not (folder / "client.py").exists()
+
+
+def _bad_requests(digit: np.ndarray) -> list[tuple[str, bytes, int, str]]:
+    jpeg = encoded(digit, "JPEG")
+    sixteen_bit = io.BytesIO()
+    Image.fromarray(digit[..., 0].astype(np.uint16) * 257).save(sixteen_bit, format="PNG")
+    frames = [Image.fromarray(digit), Image.fromarray(255 - digit)]
+    animated = io.BytesIO()
+    frames[0].save(animated, format="PNG", save_all=True, append_images=frames[1:])
+    cmyk = io.BytesIO()
+    Image.fromarray(digit).convert("CMYK").save(cmyk, format="JPEG")
+    noise = np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)
+    return [
+        ("not an image", b"hello, this is text", 415, "not an image"),
+        ("no body", b"", 400, "empty"),
+        ("truncated", jpeg[: len(jpeg) // 2], 400, "truncated"),
+        ("too large", encoded(noise, "PNG"), 413, "larger than the limit"),
+        ("16-bit", sixteen_bit.getvalue(), 415, "16-bit"),
+        ("animated", animated.getvalue(), 415, "animated"),
+        ("CMYK", cmyk.getvalue(), 415, "CMYK"),
+    ]
+
+
+def test_bad_requests_get_a_4xx_line_and_the_server_keeps_serving(server, fp32_package, digits_test_set):
+    url, _ = server
+    digit = digits_test_set[0][0].permute(1, 2, 0).numpy()
+    for name, body, status, words in _bad_requests(digit):
+        got, answer = post(url, body)
+        assert (got, list(answer)) == (status, ["detail"]), name
+        assert words in answer["detail"], (name, answer)
+    good = encoded(digit, "PNG")
+    status, answer = post(url, good)
+    assert status == 200
+    assert_same(answer, load_package(fp32_package).predict([decode_image(good)])[0].as_dict())

@@ -1,0 +1,74 @@
+"""``lcv export --quantize int8``: PT2E post-training int8 quantization for x86 CPUs (torchao).
+
+Why these choices: ``torch.ao.quantization.quantize_pt2e`` is gone in torch 2.14, its successor is
+``torchao.quantization.pt2e``; ``X86InductorQuantizer`` marks the patterns Inductor lowers to oneDNN int8
+kernels; the capture is strict (dynamo), because ``prepare_pt2e`` fails on the non-strict export of a ResNet
+("Input partition has more than one output node": a ReLU module called twice loses its ``source_fn_stack``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lcv_vision.deploy.capture import capture
+from lcv_vision.deploy.errors import DeployError, import_extra
+
+__all__ = ["numeric_padding", "quantize_int8"]
+
+#: Images per calibration forward.
+CALIBRATION_BATCH = 32
+
+
+def quantize_int8(
+    model: nn.Module, calibration: torch.Tensor, example: torch.Tensor, progress: bool = True
+) -> torch.export.ExportedProgram:
+    """``model`` (uint8 images -> logits) with int8 convolutions and linears, observed on ``calibration``
+    (uint8 ``[N, 3, H, W]``), exported again for AOTInductor."""
+    pt2e = import_extra("torchao.quantization.pt2e.quantize_pt2e", "quantize", "--quantize int8")
+    x86 = import_extra(
+        "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer", "quantize", "--quantize int8"
+    )
+    if calibration.shape[0] < 1:
+        raise DeployError("int8 calibration needs at least one training image (--calibration-images N)")
+    quantizer = x86.X86InductorQuantizer()
+    quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
+    model = numeric_padding(copy.deepcopy(model))
+    graph = capture(model, example, strict=True).module()
+    prepared = pt2e.prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        for batch in _batches(calibration, progress):
+            prepared(batch)
+    converted = pt2e.convert_pt2e(prepared)
+    return capture(converted, example, strict=True)
+
+
+def _batches(images: torch.Tensor, progress: bool) -> Iterable[torch.Tensor]:
+    from tqdm.auto import tqdm
+
+    batches = images.split(CALIBRATION_BATCH)
+    return tqdm(batches, desc="int8 calibration", unit="batch", disable=not progress, leave=False)
+
+
+def numeric_padding(model: nn.Module) -> nn.Module:
+    """``padding="same"``/``"valid"`` convolutions with the equal numeric padding, in place.
+
+    Why: a string padding is traced as ``aten.conv2d.padding``, which ``X86InductorQuantizer`` rejects ("is
+    not an aten conv2d operator"); numeric padding gives ``aten.conv2d.default`` and the same output."""
+    for name, conv in model.named_modules():
+        if not isinstance(conv, nn.Conv2d) or not isinstance(conv.padding, str):
+            continue
+        if conv.padding == "valid":
+            conv.padding = (0, 0)
+            continue
+        totals = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        if any(t % 2 for t in totals) or conv.padding_mode != "zeros":
+            raise DeployError(
+                f"cannot quantize conv {name!r}: padding='same' with an even kernel {conv.kernel_size} or "
+                f"padding_mode={conv.padding_mode!r} has no symmetric numeric padding"
+            )
+        conv.padding = (totals[0] // 2, totals[1] // 2)
+    return model

@@ -1,0 +1,164 @@
+"""``lcv serve``: a LitServe HTTP server for a ``.pt2`` package, with dynamic batching.
+
+Why the images are checked in the HTTP process, not in ``LitAPI.decode_request``: LitServe 0.2.19 decodes a
+whole batch in one ``try``, so one bad upload would fail every request batched with it. Here an ASGI middleware
+reads the body (raw bytes or a multipart upload), decodes and sizes the image (the recipe's eval transform) in
+a thread, answers a bad one at once with 400/413/415 and one JSON line, and passes a good one on as uint8
+pixels; the model worker only stacks pixels into batches. LitServe alone would also answer a raw-bytes body
+with 500 (it parses every non-form body as JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lcv_vision.deploy.errors import DeployError, ImageRejectedError, import_extra
+from lcv_vision.deploy.host_transform import HostTransform
+from lcv_vision.deploy.images import DEFAULT_MAX_BYTES, decode_image
+from lcv_vision.deploy.package import PackageInfo, load_package, read_metadata
+
+__all__ = ["API_PATH", "ImageIntake", "build_server", "serve"]
+
+API_PATH = "/predict"
+
+#: Multipart framing allowed on top of the image's own bytes.
+_FORM_OVERHEAD = 64 * 1024
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ImageIntake:
+    """ASGI middleware: ``POST /predict`` bodies -> checked, preprocessed uint8 pixels (or a 4xx answer)."""
+
+    def __init__(self, app: Any, transform: HostTransform, max_bytes: int, path: str = API_PATH) -> None:
+        self.app = app
+        self.transform = transform
+        self.max_bytes = max_bytes
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") != self.path:
+            await self.app(scope, receive, send)
+            return
+        try:
+            data = await self._image_bytes(scope, receive)
+            pixels = await asyncio.to_thread(self._pixels, data)
+        except ImageRejectedError as err:
+            await _answer(send, err.status, {"detail": str(err)})
+            return
+        body = json.dumps({"pixels": base64.b64encode(pixels.numpy().tobytes()).decode("ascii")}).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app({**scope, "headers": headers}, replay, send)
+
+    async def _image_bytes(self, scope: Scope, receive: Receive) -> bytes:
+        content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+        limit = self.max_bytes + (_FORM_OVERHEAD if content_type.startswith("multipart/form-data") else 0)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ImageRejectedError("the client closed the connection before the body ended", 400)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ImageRejectedError(
+                    f"the body is larger than the limit of {self.max_bytes:,} bytes", 413
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if content_type.startswith("multipart/form-data"):
+            return await _uploaded_file(body, scope)
+        return body
+
+    def _pixels(self, data: bytes) -> torch.Tensor:
+        return self.transform(decode_image(data, self.max_bytes, name="the posted image"))
+
+
+async def _uploaded_file(body: bytes, scope: Scope) -> bytes:
+    """The first file of a multipart form (python-multipart parses it, through Starlette)."""
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request
+
+    async def once() -> Message:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(scope, once).form()
+    except AssertionError as err:  # Starlette's message when python-multipart is missing
+        raise ImageRejectedError(
+            f"multipart uploads need python-multipart on the server ({err})", 415
+        ) from err
+    except Exception as err:  # a malformed form
+        raise ImageRejectedError(f"the multipart form cannot be read ({err})", 400) from err
+    files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+    if not files:
+        raise ImageRejectedError("the multipart form has no file: upload the image as a file field", 400)
+    return await files[0].read()
+
+
+async def _answer(send: Send, status: int, payload: dict[str, str]) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_server(
+    package: str | Path,
+    max_batch_size: int = 8,
+    batch_timeout: float = 0.01,
+    top_k: int = 5,
+    max_image_bytes: int | None = None,
+    workers: int = 1,
+) -> Any:
+    """A ``litserve.LitServer`` for ``package`` (checked before any worker starts)."""
+    ls = import_extra("litserve", "serve", "lcv serve")
+    import_extra("multipart", "serve", "lcv serve (multipart uploads)")
+    if max_batch_size < 1 or batch_timeout < 0 or workers < 1 or top_k < 1:
+        raise DeployError("--max-batch-size, --workers and --top-k must be >= 1, --batch-timeout >= 0")
+    load_package(package)  # the torch/CPU checks, in this process, as one line
+    metadata = read_metadata(package)
+    assert metadata is not None  # load_package just read the same archive
+    info = PackageInfo.from_metadata(metadata)
+    max_bytes = max_image_bytes if max_image_bytes is not None else DEFAULT_MAX_BYTES
+    from lcv_vision.deploy.serve_api import ClassifierAPI  # imports litserve, checked above
+
+    api = ClassifierAPI(str(package), info, top_k, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
+    return ls.LitServer(
+        api,
+        accelerator="cuda" if info.device == "cuda" else "cpu",
+        devices=1,
+        workers_per_device=workers,
+        middlewares=[(ImageIntake, {"transform": info.transform, "max_bytes": max_bytes})],
+    )
+
+
+def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+    """Build the server and run it until interrupted; binds ``host`` only (127.0.0.1 unless told)."""
+    server = build_server(package, **options)
+    try:
+        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT is how a server is stopped, not an error
+        pass
