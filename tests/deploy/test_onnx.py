@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from lcv_vision.cli import main
-from lcv_vision.deploy.export import InferenceModel, load_trained
-from lcv_vision.deploy.onnx_export import onnx_logits
-from lcv_vision.deploy.package import METADATA_KEY
+pytest.importorskip("jsonargparse", reason="lcv needs jsonargparse (not on the GPU image)")
+from lcv_vision.cli import main  # noqa: E402
+from lcv_vision.deploy.export import InferenceModel, load_trained  # noqa: E402
+from lcv_vision.deploy.onnx_export import onnx_logits  # noqa: E402
+from lcv_vision.deploy.package import METADATA_KEY  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("deploy")
 
