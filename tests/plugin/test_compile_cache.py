@@ -46,15 +46,12 @@ def _fit_in_fresh_process(cache_file, inductor_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_fresh_process_with_an_empty_inductor_cache_compiles_nothing_again(tmp_path):
+    """Two runs of one script, each a new process with its own Inductor cache folder (two machines, for
+    Inductor): the second compiles nothing. Both runs are fresh processes, so the Inductor and dynamo
+    settings another test left in this worker cannot enter the first run's cache keys."""
     cache_file = tmp_path / "run" / CACHE_FILE_NAME
-    strategy = CompiledStrategy(
-        cache=str(cache_file), compile_eval=False
-    )  # the same settings as cache_script.py
-    torch.manual_seed(0)
-    L.Trainer(**{**TRAINER_KWARGS, "strategy": strategy, "limit_train_batches": 2}).fit(
-        LinearModule(), make_vector_loader()
-    )
-    assert cache_file.is_file()
+    first = _fit_in_fresh_process(cache_file, tmp_path / "first-inductor-cache")
+    assert first["saved"] and first["fx_misses"] >= 1, first
     loaded = _fit_in_fresh_process(
         cache_file, tmp_path / "empty-inductor-cache"
     )  # another machine, for Inductor
