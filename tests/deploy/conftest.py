@@ -1,10 +1,11 @@
 """One trained digits checkpoint and its fp32 and int8 packages per test run (training and AOTInductor compiles
 are the expensive part; every deploy test shares them).
 
-Why a file lock, not only ``xdist_group``: with pytest-xdist 3.8 here, ``--dist loadgroup`` still spread the
-files marked ``xdist_group("deploy")`` over both workers, and each built its own session fixtures (twice the
-CPU on a 2-core runner). Under xdist the artefacts live in the run's shared temporary folder; the first worker
-builds each one under a lock, the other waits and reuses it (pytest-xdist's documented pattern).
+The deploy files are marked ``xdist_group("deploy")``, so ``make test`` (``--dist loadgroup``) runs them on one
+worker and the session fixtures are built once. The file lock keeps that true where the group is not honoured
+(plain ``-n 2``, or a pytest that pytest-xdist's loadgroup does not understand; tests/test_xdist_groups.py):
+the artefacts live in the run's shared temporary folder, the first worker builds each one under the lock and
+the other waits and reuses it.
 """
 
 from __future__ import annotations
