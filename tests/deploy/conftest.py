@@ -10,13 +10,17 @@ the other waits and reuses it.
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from filelock import FileLock
+
+from deploy_helpers import INT8_EXPORT_WARNINGS
 
 #: Epochs of digits-small for the shared checkpoint: ~98% test accuracy in seconds, so an int8 drop of a
 #: point is a real difference, not noise around chance.
@@ -86,7 +90,11 @@ def int8_package(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     from lcv_vision.deploy.export import export_package
 
     def build(out: Path) -> None:
-        export_package(digits_checkpoint, out, quantize="int8", calibration_count=CALIBRATION_IMAGES)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            export_package(digits_checkpoint, out, quantize="int8", calibration_count=CALIBRATION_IMAGES)
+        shown = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
+        (out.parent / INT8_EXPORT_WARNINGS).write_text(json.dumps(shown))
 
     return _built_once(tmp_path_factory, "digits-int8.pt2", build)
 

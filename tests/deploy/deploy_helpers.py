@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+#: Beside the shared int8 package: the warnings its export showed (what a user of the command would see).
+INT8_EXPORT_WARNINGS = "digits-int8-export-warnings.json"
+
 
 def cifar_jpegs(zip_path: str, count: int) -> list[bytes]:
     """The first ``count`` CIFAR-10 test JPEGs of the shared zip, spread over its classes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -160,7 +161,11 @@ def compile_package(program: torch.export.ExportedProgram, out: str | Path, info
     configs: dict[str, Any] = {"aot_inductor.metadata": info.to_metadata()}
     if info.device == "cpu":
         configs["freezing"] = True  # weights become constants: prepacked oneDNN convs, fused int8 patterns
-    with torch.no_grad():  # Inductor freezes (and lowers int8 patterns to oneDNN) only without autograd
+    # Inductor freezes (and lowers int8 patterns to oneDNN) only without autograd.
+    with torch.no_grad(), warnings.catch_warnings():
+        # Inductor's int8 conv lowering (mkldnn_lowerings.py) builds its scales with torch.tensor(tensor):
+        # torch's advice about torch's own code, which a user of `lcv export --quantize int8` cannot act on.
+        warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
         path = torch._inductor.aoti_compile_and_package(
             program, package_path=str(out), inductor_configs=configs
         )
