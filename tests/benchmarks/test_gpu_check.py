@@ -57,8 +57,39 @@ def test_budget_leaves_set_up_time_in_one_eight_minute_call():
     module = _load()
     assert module.DEFAULT_BUDGET_S + 60 <= 8 * 60
     names = [s.name for s in module.steps()]
-    # value order: correctness before any timing, max-autotune last
-    assert names[0] == "correctness" and names[1] == "conv" and names[-1] == "max_autotune"
+    # end to end first: correctness, then the time-to-accuracy pairs seed by seed, kernels last
+    pairs = [
+        f"{bench}-seed{seed}"
+        for seed in module.ACCURACY_SEEDS
+        for bench in ("cifar10_time_to_94", "airbench_reference")
+    ]
+    assert names[: 1 + len(pairs)] == ["correctness", *pairs]
+    assert names.index("resnet50_train") < names.index("loader") < names.index("conv") < names.index("norms")
+    assert names[-1] == "max_autotune" and len(set(names)) == len(names)
+
+
+def test_list_names_the_steps_and_only_takes_a_seeded_family():
+    listed = subprocess.run(
+        [sys.executable, SCRIPT, "--list", "--only", "correctness", "airbench_reference"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout
+    rows = [line.split()[0] for line in listed.splitlines()[2:] if line.strip()]
+    assert rows == ["correctness", *(f"airbench_reference-seed{seed}" for seed in _load().ACCURACY_SEEDS)]
+    assert "--seed 1 --tag seed1" in listed  # each seed writes its own result file
+    wrong = subprocess.run(
+        [sys.executable, SCRIPT, "--list", "--only", "airbench"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert (
+        wrong.returncode == 2 and "unknown step 'airbench'" in wrong.stderr and "correctness" in wrong.stderr
+    )
 
 
 def test_dry_run_runs_every_step_and_hands_over_versioned_results(tmp_path):
