@@ -1,0 +1,175 @@
+"""Which modules FSDP2 shards on their own, and sharding them: the units of ``strategy="compiled_fsdp"``.
+
+Why these units: a unit is all-gathered as one piece before its forward and freed after, so the peak memory
+is about one unit's full weights plus every unit's shard. The modules the project already treats as blocks
+(the block registry's classes, which the kernel substitution fuses, and any class repeated in the model, which
+regional compilation compiles once) are the natural units: each is compiled once and reused. The root units
+are the LightningModule's children (and the LightningModule itself when it holds parameters of its own), so
+every parameter belongs to exactly one unit.
+
+BatchNorm is the exception to mixed precision: its CPU kernels refuse bf16 weights with fp32 running
+statistics ("expected scalar type BFloat16 but found Float"), so with a low-precision ``param_dtype`` every
+BatchNorm becomes a unit of its own whose policy keeps fp32.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_plugin.blocks import block_spec, norm_spec
+
+#: Trainer ``precision`` -> the dtype FSDP2 gathers parameters in (``None``: keep the parameters' own).
+_PARAM_DTYPES: dict[str, torch.dtype] = {
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+}
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """The FSDP2 policy for a Trainer ``precision``: low-precision parameters, gradients reduced in fp32."""
+    param_dtype = _PARAM_DTYPES.get(str(precision))
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def block_units(root: nn.Module) -> list[nn.Module]:
+    """The outermost blocks under ``root``: registered block classes and classes that occur twice or more.
+
+    Norm-activation classes (registered as norms too) are not units: they are parts of blocks. A repeated
+    class that itself holds repeated classes is a container (the model and its EMA copy, a stage), not a
+    block: the search goes inside it.
+    """
+    counts = _class_counts(root)
+    found: list[nn.Module] = []
+
+    def is_block(module: nn.Module) -> bool:
+        if _is_torch_builtin(module) or norm_spec(module) is not None:
+            return False
+        if block_spec(module) is not None:
+            return True
+        return counts[type(module)] >= 2 and not any(n >= 2 for n in _class_counts(module).values())
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if is_block(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(root)
+    return found
+
+
+@dataclass
+class ShardingPlan:
+    """What :func:`shard_module` did: the blocks (to compile), the BatchNorm units, the root units."""
+
+    blocks: list[nn.Module] = field(default_factory=list)
+    norms: list[nn.Module] = field(default_factory=list)
+    roots: list[nn.Module] = field(default_factory=list)
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    blocks: Iterable[nn.Module],
+) -> ShardingPlan:
+    """``fully_shard`` the BatchNorms (when the policy lowers precision), then ``blocks``, then the roots.
+
+    ``blocks`` must already be compiled (their forwards patched): FSDP's hooks sit on ``__call__`` outside the
+    compiled forward, so the graphs have no breaks (sharding first puts hooks that dynamo skips inside them).
+    """
+    plan = ShardingPlan(blocks=list(blocks))
+    if policy.param_dtype is not None:
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for norm in module.modules():
+            if isinstance(norm, _BatchNorm) and any(p.requires_grad for p in norm.parameters(recurse=False)):
+                fully_shard(norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+                plan.norms.append(norm)
+    for block in plan.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for child in module.children():
+        if not isinstance(child, FSDPModule) and _has_unsharded_parameters(child):
+            # The roots' parameters are needed again at once by the backward: keep them gathered.
+            fully_shard(child, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+            plan.roots.append(child)
+    if any(True for _ in module.parameters(recurse=False)):
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        plan.roots.append(module)
+    return plan
+
+
+def _class_counts(root: nn.Module) -> Counter[type]:
+    return Counter(type(m) for m in root.modules() if m is not root and not _is_torch_builtin(m))
+
+
+def _has_unsharded_parameters(module: nn.Module) -> bool:
+    return any(not isinstance(p, DTensor) for p in module.parameters())
+
+
+def _is_torch_builtin(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.")
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank stores for ``tensors``: a DTensor's local shard, a plain tensor whole."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of an optimizer's per-parameter state (momentum, Adam's moments), not its step counters."""
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    ]
+
+
+@torch.no_grad()
+def average_batchnorm_statistics(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Average every BatchNorm's running mean and variance over the ranks; return how many were averaged.
+
+    FSDP2 shards parameters, not buffers, so each rank's running statistics come from its own batches only.
+    Averaging them before a save or an evaluation gives one set that all ranks share (the mean of per-rank
+    estimates; the variance is averaged as an estimate too, without the between-rank term).
+    """
+    buffers = [
+        b
+        for m in module.modules()
+        if isinstance(m, _BatchNorm) and m.track_running_stats
+        for b in (m.running_mean, m.running_var)
+        if b is not None
+    ]
+    if not buffers or not dist.is_initialized():
+        return 0
+    world = dist.get_world_size(group)
+    if world == 1:
+        return 0
+    # One all-reduce for all of them; gloo has no AVG, so SUM then divide.
+    flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= world
+    offset = 0
+    for b in buffers:
+        n = b.numel()
+        b.copy_(flat[offset : offset + n].view_as(b).to(b.dtype))
+        offset += n
+    return len(buffers) // 2
