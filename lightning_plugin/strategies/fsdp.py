@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,7 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._layer_sync is not None:
+            self._check_layer_sync()
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -124,6 +125,14 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_layer_sync(self) -> None:
+        if self.root_device.type == "cpu":
+            raise ValueError(
+                "compiled_fsdp: Trainer(sync_batchnorm=True) needs a GPU (torch's SyncBatchNorm refuses CPU "
+                "inputs: 'SyncBatchNorm expected input tensor to be on GPU'); leave it False to average the "
+                "running statistics over the ranks instead"
+            )
 
     def _shard_and_compile(self) -> None:
         module = self.lightning_module
@@ -196,6 +205,10 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._sync_statistics()  # every rank builds the state dict (its collectives), so all average here
         return super().lightning_module_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing to do: ``load_checkpoint`` already loaded the (re)sharded weights into the module."""
 
     @override
     def save_checkpoint(
