@@ -99,7 +99,7 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
 
     @property
     def sharding_plan(self) -> ShardingPlan | None:
-        """The blocks, BatchNorm units and roots sharded (None before ``setup``)."""
+        """The blocks and roots sharded, and the units kept in fp32 (None before ``setup``)."""
         return self._plan
 
     @override
@@ -153,8 +153,8 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
         policy = mixed_precision_policy(str(getattr(self.precision_plugin, "precision", "32-true")))
         self._plan = shard_module(module, mesh, policy, self.reshard_after_forward, blocks)
         rank_zero_info(
-            f"{type(self).__name__}: sharded {len(self._plan.blocks)} blocks, {len(self._plan.norms)} BatchNorms "
-            f"(fp32) and {len(self._plan.roots)} root(s) over {mesh.size()} ranks"
+            f"{type(self).__name__}: sharded {len(self._plan.blocks)} blocks and {len(self._plan.roots)} root(s) "
+            f"over {mesh.size()} ranks ({len(self._plan.fp32_units)} gathered in fp32: they hold BatchNorms)"
         )
 
     @override

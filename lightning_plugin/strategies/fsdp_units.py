@@ -8,8 +8,10 @@ are the LightningModule's children (and the LightningModule itself when it holds
 every parameter belongs to exactly one unit.
 
 BatchNorm is the exception to mixed precision: its CPU kernels refuse bf16 weights with fp32 running
-statistics ("expected scalar type BFloat16 but found Float"), so with a low-precision ``param_dtype`` every
-BatchNorm becomes a unit of its own whose policy keeps fp32.
+statistics ("expected scalar type BFloat16 but found Float"). A unit that holds a BatchNorm's parameters is
+therefore gathered in fp32 (its compute still runs in bf16 under the Trainer's autocast). Sharding each
+BatchNorm as a unit of its own would also keep it fp32, but puts FSDP's hooks, which dynamo does not trace,
+inside the compiled block: a graph break per BatchNorm (and no graph at all with activation checkpointing).
 """
 
 from __future__ import annotations
@@ -73,11 +75,11 @@ def block_units(root: nn.Module) -> list[nn.Module]:
 
 @dataclass
 class ShardingPlan:
-    """What :func:`shard_module` did: the blocks (to compile), the BatchNorm units, the root units."""
+    """What :func:`shard_module` did: the blocks (to compile), the roots, and the units kept in fp32."""
 
     blocks: list[nn.Module] = field(default_factory=list)
-    norms: list[nn.Module] = field(default_factory=list)
     roots: list[nn.Module] = field(default_factory=list)
+    fp32_units: list[nn.Module] = field(default_factory=list)
 
 
 def shard_module(
@@ -87,29 +89,42 @@ def shard_module(
     reshard_after_forward: bool,
     blocks: Iterable[nn.Module],
 ) -> ShardingPlan:
-    """``fully_shard`` the BatchNorms (when the policy lowers precision), then ``blocks``, then the roots.
+    """``fully_shard`` ``blocks``, then the roots (the module's children holding parameters not yet sharded,
+    and the module itself when it holds parameters of its own).
 
     ``blocks`` must already be compiled (their forwards patched): FSDP's hooks sit on ``__call__`` outside the
     compiled forward, so the graphs have no breaks (sharding first puts hooks that dynamo skips inside them).
     """
     plan = ShardingPlan(blocks=list(blocks))
-    if policy.param_dtype is not None:
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for norm in module.modules():
-            if isinstance(norm, _BatchNorm) and any(p.requires_grad for p in norm.parameters(recurse=False)):
-                fully_shard(norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-                plan.norms.append(norm)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+    def shard(unit: nn.Module, reshard: bool, recurse: bool = True) -> None:
+        unit_policy = policy
+        if policy.param_dtype is not None and _holds_batchnorm_parameters(unit, recurse):
+            unit_policy = fp32
+            plan.fp32_units.append(unit)
+        fully_shard(unit, mesh=mesh, mp_policy=unit_policy, reshard_after_forward=reshard)
+
     for block in plan.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        shard(block, reshard_after_forward)
     for child in module.children():
         if not isinstance(child, FSDPModule) and _has_unsharded_parameters(child):
             # The roots' parameters are needed again at once by the backward: keep them gathered.
-            fully_shard(child, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+            shard(child, False)
             plan.roots.append(child)
     if any(True for _ in module.parameters(recurse=False)):
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        shard(module, False, recurse=False)
         plan.roots.append(module)
     return plan
+
+
+def _holds_batchnorm_parameters(unit: nn.Module, recurse: bool) -> bool:
+    """Whether ``unit`` would manage a BatchNorm's parameters (ones no inner unit has sharded yet)."""
+    norms = unit.modules() if recurse else [unit]
+    return any(
+        isinstance(m, _BatchNorm) and any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))
+        for m in norms
+    )
 
 
 def _class_counts(root: nn.Module) -> Counter[type]:

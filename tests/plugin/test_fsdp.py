@@ -226,3 +226,58 @@ def test_sync_batchnorm_needs_a_gpu():
     strategy.parallel_devices = [torch.device("cpu")]
     with pytest.raises(ValueError, match=r"sync_batchnorm=True\) needs a GPU"):
         strategy._check_layer_sync()
+
+
+@pytest.fixture
+def one_process_group():
+    """compiled_fsdp on one device starts a process group in this process: close it and its variables."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _fit_tiny(strategy, precision: str = "32-true"):
+    from boring import TRAINER_KWARGS, TinyModule, make_loader
+
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = L.Trainer(
+        **{
+            **TRAINER_KWARGS,
+            "strategy": strategy,
+            "precision": precision,
+            "limit_train_batches": 3,
+            "use_distributed_sampler": False,
+        }
+    )
+    trainer.fit(module, make_loader(n=24, batch_size=8))
+    return trainer, module
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_activation_checkpointing_and_mixed_precision_on_one_rank(precision, one_process_group):
+    """Recomputed blocks (BatchNorm inside) train as eager does: the recompute must not update BatchNorm's
+    statistics a second time. Under bf16-mixed the blocks holding BatchNorms gather in fp32, with no break."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_plugin import CompiledFSDPStrategy
+
+    strategy = CompiledFSDPStrategy(activation_checkpointing=True, backend="aot_eager", compile="always")
+    trainer, module = _fit_tiny(strategy, precision)
+    plan = trainer.strategy.sharding_plan
+    assert len(plan.blocks) == 2 and len(plan.fp32_units) == (2 if precision == "bf16-mixed" else 0)
+    stats = trainer.strategy.compile_stats
+    assert stats.graphs >= 1 and stats.graph_breaks == 0 and not stats.fell_back
+    got = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    assert all(v.dtype in (torch.float32, torch.int64) for v in got.values())
+
+    eager_trainer, eager = _fit_tiny("auto", precision)
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    atol, rtol = tolerance("norm_grad" if dtype == torch.bfloat16 else "train", dtype)
+    for key, expected in eager.state_dict().items():
+        torch.testing.assert_close(got[key].to(expected.dtype), expected, atol=atol, rtol=rtol, msg=key)
