@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -95,6 +96,7 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self._plan: ShardingPlan | None = None
         self._checkpointed: list[nn.Module] = []
+        self._previous_recompile_limit: int | None = None
         self._init_compiler(build_config(config, type(self).__name__, **compile_settings))
 
     @property
@@ -146,6 +148,7 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
             self._compiler.config = self.compile_config.replace(dynamic=False)
         if self.activation_checkpointing:
             self._checkpoint_blocks(blocks)
+        self._raise_recompile_limit(len(blocks))
         self._compile_lightning_module()
         if already_sharded:
             return
@@ -156,6 +159,17 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
             f"{type(self).__name__}: sharded {len(self._plan.blocks)} blocks and {len(self._plan.roots)} root(s) "
             f"over {mesh.size()} ranks ({len(self._plan.fp32_units)} gathered in fp32: they hold BatchNorms)"
         )
+
+    def _raise_recompile_limit(self, blocks: int) -> None:
+        """Blocks share one code object, so dynamo keeps one cache entry per block shape (and per train/eval
+        mode): with static shapes a ResNet-50's stages fill dynamo's default 8 entries, after which the rest
+        would run eagerly. Allow two per block for this run (restored at teardown)."""
+        config = torch._dynamo.config
+        needed = min(2 * blocks, config.accumulated_recompile_limit)
+        if self.compile_config.dynamic is False and needed > config.recompile_limit:
+            if self._previous_recompile_limit is None:
+                self._previous_recompile_limit = config.recompile_limit
+            config.recompile_limit = needed
 
     @override
     def _compile_targets(self, module: nn.Module) -> list[nn.Module] | None:
@@ -173,6 +187,9 @@ class CompiledFSDPStrategy(CompiledStrategyMixin, ModelParallelStrategy):
         for block in self._checkpointed:
             block.__dict__.pop("forward", None)
         self._checkpointed.clear()
+        if self._previous_recompile_limit is not None:
+            torch._dynamo.config.recompile_limit = self._previous_recompile_limit
+            self._previous_recompile_limit = None
         super().teardown()
 
     # BatchNorm running statistics: one set for all ranks wherever they are read.

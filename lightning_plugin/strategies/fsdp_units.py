@@ -46,21 +46,34 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def block_units(root: nn.Module) -> list[nn.Module]:
-    """The outermost blocks under ``root``: registered block classes and classes that occur twice or more.
+    """The blocks under ``root``: registered block classes and classes that occur twice or more.
 
-    Norm-activation classes (registered as norms too) are not units: they are parts of blocks. A repeated
-    class that itself holds repeated classes is a container (the model and its EMA copy, a stage), not a
-    block: the search goes inside it.
+    Norm-activation classes (registered as norms too) are not units: they are parts of blocks. A candidate
+    that holds other candidates is a container (a registered ResNet whose stem is a chain, the model and its
+    EMA copy, a stage): the search goes inside it, so the units are the innermost candidates that hold no
+    block of their own.
     """
     counts = _class_counts(root)
-    found: list[nn.Module] = []
+
+    def candidate(module: nn.Module, counts: Counter[type]) -> bool:
+        # A leaf (timm's LayerNorm, twice in every ViT block) is a layer, not a block.
+        if (
+            _is_torch_builtin(module)
+            or norm_spec(module) is not None
+            or not any(True for _ in module.children())
+        ):
+            return False
+        return block_spec(module) is not None or counts[type(module)] >= 2
 
     def is_block(module: nn.Module) -> bool:
-        if _is_torch_builtin(module) or norm_spec(module) is not None:
+        if not candidate(module, counts):
             return False
-        if block_spec(module) is not None:
-            return True
-        return counts[type(module)] >= 2 and not any(n >= 2 for n in _class_counts(module).values())
+        inner = _class_counts(module)
+        # Inside a block, a class counts as repeated only when it repeats within the block itself (a ViT
+        # block's one Mlp is part of it; a stage's many blocks are not).
+        return not any(candidate(m, inner) for m in module.modules() if m is not module)
+
+    found: list[nn.Module] = []
 
     def visit(parent: nn.Module) -> None:
         for child in parent.children():

@@ -190,12 +190,26 @@ def test_atomic_save_keeps_the_last_checkpoint_when_a_save_fails(tmp_path, monke
 
 
 def test_sharding_units_come_from_the_block_registry():
+    """The blocks, not their containers (a registered ResNet, a model beside its EMA copy) nor their layers."""
     torchvision = pytest.importorskip("torchvision")
+    from fsdp_script import Module
+    from lcv_vision.models import create_model
     from lightning_plugin.strategies.fsdp_units import block_units, mixed_precision_policy
 
-    resnet = torchvision.models.resnet18(num_classes=4)
-    units = block_units(resnet)
-    assert [type(u).__name__ for u in units] == ["BasicBlock"] * 8
+    def units(model):
+        found = block_units(model)
+        return len(found), sorted({type(u).__name__ for u in found})
+
+    assert units(torchvision.models.resnet18(num_classes=4)) == (8, ["BasicBlock"])
+    assert units(create_model("resnet18", num_classes=4)) == (
+        8,
+        ["BasicBlock"],
+    )  # ResNet itself is registered
+    assert units(create_model("vit_tiny_patch4_32", num_classes=4)) == (6, ["Block"])
+    assert units(Module()) == (4, ["ConvBlock"])  # 2 in the model, 2 in its EMA copy
+    timm = pytest.importorskip("timm")
+    assert units(timm.create_model("vit_tiny_patch16_224")) == (12, ["Block"])  # 2 LayerNorm leaves per block
+    assert units(timm.create_model("convnext_atto")) == (12, ["ConvNeXtBlock"])
     assert mixed_precision_policy("bf16-mixed").param_dtype == torch.bfloat16
     assert mixed_precision_policy("bf16-mixed").reduce_dtype == torch.float32
     assert mixed_precision_policy("32-true").param_dtype is None
