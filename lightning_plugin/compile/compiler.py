@@ -99,8 +99,13 @@ class ModuleCompiler:
     def selection_pending(self) -> bool:
         return self._selection is not None and self._selection.pending
 
-    def compile(self, module: nn.Module, device: torch.device) -> bool:
-        """Compile ``module`` in place; return False when it was left alone (already compiled)."""
+    def compile(
+        self, module: nn.Module, device: torch.device, targets: list[nn.Module] | None = None
+    ) -> bool:
+        """Compile ``module`` in place; return False when it was left alone (already compiled).
+
+        ``targets``: the submodules whose forwards to compile instead of the module's (or its repeated
+        blocks'); ``compiled_fsdp`` passes its sharding units, each compiled before it is sharded."""
         if self.is_compiled:
             return True
         reason = already_compiled_reason(module)
@@ -142,7 +147,13 @@ class ModuleCompiler:
             device,
             self.config.tune_cpu,
         )
-        targets = find_repeated_blocks(module) if self.config.regional else []
+        if targets is None:
+            targets = find_repeated_blocks(module) if self.config.regional else []
+        elif not targets:
+            warnings.warn(
+                f"{type(module).__name__} has no block to compile on its own; compiling its whole forward.",
+                stacklevel=2,
+            )
         if self.config.regional and not targets:
             warnings.warn(
                 f"CompileConfig(regional=True): {type(module).__name__} has no repeated block; "

@@ -143,7 +143,7 @@ class CompiledStrategyMixin(_StrategyBase):
         if trainer is not None and trainer.state.fn != "fit" and not self._compiler.config.compile_eval:
             return  # validate/test/predict run the eager forward (compile_eval=False): nothing to compile
         self._load_compile_cache(module)
-        if self._compiler.compile(module, self.root_device):
+        if self._compiler.compile(module, self.root_device, self._compile_targets(module)):
             self._begin_decision(module)
             config = self._compiler.config
             what = "repeated blocks" if config.regional else "forward"
@@ -182,6 +182,10 @@ class CompiledStrategyMixin(_StrategyBase):
             rank_zero_info(
                 f"{type(self).__name__}: CPU training settings: {', '.join(applied)} (tune_cpu=False: none)"
             )
+
+    def _compile_targets(self, module: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """The submodules to compile on their own; None: the forward (or the repeated blocks, ``regional``)."""
+        return None
 
     def _begin_decision(self, module: Any) -> None:
         trainer = getattr(module, "_trainer", None)

@@ -10,7 +10,8 @@ nothing.
 
 Only the exact classes below are switched (a subclass may change ``step``), and only when every parameter
 group left both ``fused`` and ``foreach`` unset and is not ``differentiable``, and every parameter is a dense
-floating-point CPU tensor. Models with sparse embedding gradients are left alone (fused steps refuse them).
+floating-point CPU tensor. Models with sparse embedding gradients are left alone (fused steps refuse them), and
+so are DTensor shards (``compiled_fsdp``): DTensor has no sharding rule for ``aten._fused_sgd_`` (torch 2.14).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
 #: Optimizers switched to their fused step (their CPU kernels are in every torch this project supports).
@@ -39,6 +41,8 @@ def can_fuse(optimizer: Optimizer) -> bool:
             return False
         for p in group["params"]:
             if p.device.type != "cpu" or p.layout != torch.strided or not p.is_floating_point():
+                return False
+            if isinstance(p, DTensor):
                 return False
     return True
 

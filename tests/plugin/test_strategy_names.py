@@ -24,12 +24,13 @@ ONE_PROCESS_DDP_NAMES = [
     "compiled_ddp_find_unused_parameters_true",
 ]  # popen: would relaunch pytest
 TWO_PROCESS_DDP_NAMES = ["compiled_ddp_spawn", "compiled_ddp_fork", "compiled_ddp_notebook"]
+FSDP_NAMES = ["compiled_fsdp", "compiled_fsdp_activation_checkpointing"]  # lightning namespace only
 HERE = os.path.dirname(__file__)
 
 
 def test_the_lists_cover_every_registered_name():
     ours = {n for n in StrategyRegistry.available_strategies() if n.startswith("compiled")}
-    assert ours == set(SINGLE_DEVICE_NAMES + ONE_PROCESS_DDP_NAMES + TWO_PROCESS_DDP_NAMES)
+    assert ours == set(SINGLE_DEVICE_NAMES + ONE_PROCESS_DDP_NAMES + TWO_PROCESS_DDP_NAMES + FSDP_NAMES)
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def restores_process_state():
     os.environ.update(environ)
 
 
-@pytest.mark.parametrize("name", SINGLE_DEVICE_NAMES + ONE_PROCESS_DDP_NAMES)
+@pytest.mark.parametrize("name", [*SINGLE_DEVICE_NAMES, *ONE_PROCESS_DDP_NAMES, "compiled_fsdp"])
 def test_name_fits_in_one_process(name, restores_process_state):
     trainer = L.Trainer(**{**TRAINER_KWARGS, "strategy": name, "limit_train_batches": 2})
     module = LinearModule()

@@ -42,15 +42,18 @@ class ModelEMA(nn.Module):
         decay = self.decay if decay is None else decay
         _check_decay(decay)
         live = model.state_dict()
-        averages, values = [], []
+        # Grouped by tensor type: under FSDP2 the parameters are DTensor shards and the buffers plain tensors,
+        # and one multi-tensor op refuses a mix of both.
+        groups: dict[type, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for name, average in self.module.state_dict().items():
             value = live[name].detach()
             if average.is_floating_point():
+                averages, values = groups.setdefault(type(average), ([], []))
                 averages.append(average)
                 values.append(value.to(average.dtype))
             else:
                 average.copy_(value)
-        if averages:  # one fused multi-tensor op instead of a kernel per tensor
+        for averages, values in groups.values():  # one fused multi-tensor op instead of a kernel per tensor
             torch._foreach_lerp_(averages, values, 1.0 - decay)
 
     @torch.no_grad()

@@ -1,0 +1,297 @@
+"""``strategy="compiled_fsdp"`` on 2 gloo processes (CPU), checked against float64 eager DDP arithmetic.
+
+Three launches of fsdp_script.py serve every multi-process check (they are the expensive part):
+  A. 2 "nodes" x 1 process under ``torchrun --nnodes 2`` on localhost, 20 steps uninterrupted;
+  B. 1 node x 2 processes (Lightning's launcher), rank 1 SIGKILLed at step 13, started beside A;
+  C. B resumed from its last sharded checkpoint (step 10) on 1 node x 2 processes.
+A equals the float64 replay (a), holds half of each tensor per rank (b), compiles once (d); C's weights
+equal A's bit for bit, which shows both that a killed run resumes exactly (c) and that 2 nodes x 1 process
+train as 1 node x 2 processes do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lcv_kernels.tolerances import tolerance
+
+HERE = Path(__file__).parent
+SCRIPT = str(HERE / "fsdp_script.py")
+TIMEOUT = 300
+
+pytestmark = [pytest.mark.xdist_group("fsdp"), pytest.mark.timeout(900)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    return proc.returncode, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fsdp")
+    a, b = root / "two_nodes", root / "killed"
+    port = str(_free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [
+        _start(
+            [
+                *torchrun,
+                "--node-rank",
+                str(n),
+                *rendezvous,
+                SCRIPT,
+                str(a),
+                "--num-nodes",
+                "2",
+                "--devices",
+                "1",
+            ],
+            _env(),
+        )
+        for n in (0, 1)
+    ]
+    killed = _start([sys.executable, SCRIPT, str(b), "--kill-at", "13"], _env(MASTER_PORT=str(_free_port())))
+    code, output = _finish(killed)
+    assert code != 0, "the run whose rank 1 was killed ended normally:\n" + output
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["epoch=0-step=10.ckpt"]
+    resumed = _start(  # beside A, which is still running
+        [sys.executable, SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt")],
+        _env(MASTER_PORT=str(_free_port())),
+    )
+    for code, output in [_finish(p) for p in (*nodes, resumed)]:
+        assert code == 0, output
+    return {"two_nodes": a, "resumed": b}
+
+
+def _result(run: Path) -> dict:
+    return json.loads((run / "result.json").read_text())
+
+
+def test_weights_equal_float64_eager_ddp(runs):
+    from fsdp_reference import reference_state
+
+    reference = reference_state()
+    final = torch.load(runs["two_nodes"] / "final.pt")
+    assert set(final) == set(reference)
+    atol, rtol = tolerance("train", torch.float32)
+    for key, expected in reference.items():
+        torch.testing.assert_close(final[key].to(expected.dtype), expected, atol=atol, rtol=rtol, msg=key)
+
+
+def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
+    info = _result(runs["two_nodes"])
+    assert info["world_size"] == 2 and info["dtensor_params"]
+    full = info["param_bytes_full"]  # SGD's momentum: one fp32 tensor per parameter, as large
+    for param_bytes, optimizer_bytes in info["bytes_per_rank"]:
+        assert param_bytes == full // 2  # every first dimension is even: exactly half
+        assert optimizer_bytes == full // 2
+
+
+def test_blocks_compiled_once_without_breaks(runs):
+    info = _result(runs["two_nodes"])
+    assert info["steps"] == 20 and info["blocks"] == 4  # 2 blocks of the model, 2 of its EMA copy
+    assert info["graphs"] >= 1 and info["graph_breaks"] == 0 and not info["fell_back"]
+    assert info["recompiles"] == []
+    assert info["frames"] == info["frames_after_step_2"]  # nothing compiled after step 2
+
+
+def test_killed_run_resumes_to_the_weights_of_two_nodes_uninterrupted(runs):
+    resumed = torch.load(runs["resumed"] / "final.pt")
+    uninterrupted = torch.load(runs["two_nodes"] / "final.pt")
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_consolidated_checkpoint_resumes_in_one_plain_process(runs, tmp_path):
+    """2 ranks -> 1: the sharded checkpoint as one file; the `compiled` strategy resumes from it."""
+    import lightning_plugin
+    from fsdp_script import BATCH, Module, make_data
+    from lightning_plugin.strategies.fsdp_checkpoint import consolidate_checkpoint
+
+    sharded = runs["two_nodes"] / "checkpoints" / "epoch=1-step=20.ckpt"
+    out = tmp_path / "full.ckpt"
+    checkpoint = consolidate_checkpoint(sharded, out)
+    final = torch.load(runs["two_nodes"] / "final.pt")
+    assert set(checkpoint["state_dict"]) == set(final)
+    for key, value in final.items():
+        assert torch.equal(checkpoint["state_dict"][key], value), key
+    module = Module()
+    optimizer = module.configure_optimizers()
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert len(optimizer.state) == 10  # the model's parameters; the EMA's are frozen
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=lightning_plugin.CompiledStrategy(compile="never", tune_cpu=False),
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(make_data(), batch_size=2 * BATCH), ckpt_path=out)
+    assert trainer.global_step == 30
+
+
+def test_atomic_save_keeps_the_last_checkpoint_when_a_save_fails(tmp_path, monkeypatch):
+    import lightning.pytorch.strategies.model_parallel as model_parallel
+
+    from lightning_plugin import CompiledFSDPStrategy
+
+    strategy = CompiledFSDPStrategy()
+    target = tmp_path / "last.ckpt"
+    stale = tmp_path / ".last.ckpt.partial"
+    stale.mkdir()  # left by a run killed while saving
+    strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, target)
+    assert (target / ".metadata").is_file() and not stale.exists()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model_parallel, "_distributed_checkpoint_save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        strategy.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, target)
+    assert torch.load(target / "meta.pt")["epoch"] == 1
+
+
+def test_sharding_units_come_from_the_block_registry():
+    """The blocks, not their containers (a registered ResNet, a model beside its EMA copy) nor their layers."""
+    torchvision = pytest.importorskip("torchvision")
+    from fsdp_script import Module
+    from lcv_vision.models import create_model
+    from lightning_plugin.strategies.fsdp_units import block_units, mixed_precision_policy
+
+    def units(model):
+        found = block_units(model)
+        return len(found), sorted({type(u).__name__ for u in found})
+
+    assert units(torchvision.models.resnet18(num_classes=4)) == (8, ["BasicBlock"])
+    assert units(create_model("resnet18", num_classes=4)) == (
+        8,
+        ["BasicBlock"],
+    )  # ResNet itself is registered
+    assert units(create_model("vit_tiny_patch4_32", num_classes=4)) == (6, ["Block"])
+    assert units(Module()) == (4, ["ConvBlock"])  # 2 in the model, 2 in its EMA copy
+    timm = pytest.importorskip("timm")
+    assert units(timm.create_model("vit_tiny_patch16_224")) == (12, ["Block"])  # 2 LayerNorm leaves per block
+    assert units(timm.create_model("convnext_atto")) == (12, ["ConvNeXtBlock"])
+    assert mixed_precision_policy("bf16-mixed").param_dtype == torch.bfloat16
+    assert mixed_precision_policy("bf16-mixed").reduce_dtype == torch.float32
+    assert mixed_precision_policy("32-true").param_dtype is None
+
+
+def test_registered_by_name():
+    from lightning_plugin import CompiledFSDPStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="compiled_fsdp", logger=False)
+    assert isinstance(trainer.strategy, CompiledFSDPStrategy)
+
+
+def test_sync_batchnorm_needs_a_gpu():
+    """``sync_batchnorm=True`` would convert to SyncBatchNorm, which torch syncs on accelerators only: the
+    strategy says so up front (the GPU check covers the CUDA path)."""
+    import torch.distributed as dist
+
+    from lightning_plugin import CompiledFSDPStrategy
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        bn = torch.nn.SyncBatchNorm(4).train()
+        with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+            bn(torch.randn(2, 4, 3, 3))
+    finally:
+        dist.destroy_process_group()
+    strategy = CompiledFSDPStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) needs a GPU"):
+        strategy._check_layer_sync()
+
+
+@pytest.fixture
+def one_process_group():
+    """compiled_fsdp on one device starts a process group in this process: close it and its variables."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _fit_tiny(strategy, precision: str = "32-true"):
+    from boring import TRAINER_KWARGS, TinyModule, make_loader
+
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = L.Trainer(
+        **{
+            **TRAINER_KWARGS,
+            "strategy": strategy,
+            "precision": precision,
+            "limit_train_batches": 3,
+            "use_distributed_sampler": False,
+        }
+    )
+    trainer.fit(module, make_loader(n=24, batch_size=8))
+    return trainer, module
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_activation_checkpointing_and_mixed_precision_on_one_rank(precision, one_process_group):
+    """Recomputed blocks (BatchNorm inside) train as eager does: the recompute must not update BatchNorm's
+    statistics a second time. Under bf16-mixed the blocks holding BatchNorms gather in fp32, with no break."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_plugin import CompiledFSDPStrategy
+
+    strategy = CompiledFSDPStrategy(activation_checkpointing=True, backend="aot_eager", compile="always")
+    trainer, module = _fit_tiny(strategy, precision)
+    plan = trainer.strategy.sharding_plan
+    assert len(plan.blocks) == 2 and len(plan.fp32_units) == (2 if precision == "bf16-mixed" else 0)
+    stats = trainer.strategy.compile_stats
+    assert stats.graphs >= 1 and stats.graph_breaks == 0 and not stats.fell_back
+    got = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    assert all(v.dtype in (torch.float32, torch.int64) for v in got.values())
+
+    eager_trainer, eager = _fit_tiny("auto", precision)
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    atol, rtol = tolerance("norm_grad" if dtype == torch.bfloat16 else "train", dtype)
+    for key, expected in eager.state_dict().items():
+        torch.testing.assert_close(got[key].to(expected.dtype), expected, atol=atol, rtol=rtol, msg=key)
