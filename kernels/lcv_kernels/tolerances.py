@@ -8,8 +8,10 @@ rounded to 8 (bf16) or 11 (fp16) mantissa bits.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     # (family, dtype): (atol, rtol)
@@ -95,6 +97,31 @@ def trajectory_tolerance(dtype: torch.dtype, length: int, steps: int) -> tuple[f
         raise ValueError(f"steps must be a positive number of optimizer steps, got {steps}")
     atol, rtol = reduction_tolerance(dtype, length)
     return steps * atol, steps * rtol
+
+
+_SUMMING = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def network_length(network: nn.Module, batch_shape: Sequence[int]) -> int:
+    """An upper bound on the terms summed along one value's path through ``network``, forward and backward,
+    for :func:`reduction_tolerance` and :func:`trajectory_tolerance`.
+
+    Why this sum: as far as rounding goes, a chain of sums is one long sum (each layer's error is carried
+    into the next at the next's scale). Forward, a conv or linear sums its fan-in; a norm layer's
+    statistics sum over at most the batch's ``N*H*W`` positions; backward, each weight gradient sums over
+    those positions too. ``batch_shape`` is the input's ``(N, C, *spatial)``.
+    """
+    if len(batch_shape) < 2:
+        raise ValueError(f"batch_shape must be (N, C, ...), got {tuple(batch_shape)}")
+    positions = math.prod(batch_shape) // batch_shape[1]
+    total = 0
+    for module in network.modules():
+        if isinstance(module, _SUMMING):
+            total += module.weight[0].numel() + positions
+        elif isinstance(module, _NORMS):
+            total += positions
+    return max(total, 1)
 
 
 #: One level of an 8-bit image, in [0, 1] units.

@@ -263,3 +263,37 @@ def test_bound_scales_the_relative_part_by_the_largest_reference_value():
 
     assert bound((1e-6, 1e-3), torch.tensor([-4.0, 2.0])) == pytest.approx(1e-6 + 4e-3)
     assert bound((1e-6, 1e-3), torch.empty(0)) == 1e-6
+
+
+def test_network_length_bounds_a_small_network_forward_and_backward_in_two_layouts():
+    """conv + BatchNorm + linear: the fan-ins plus the batch's positions per layer; float32 output and
+    gradients, contiguous and channels_last (another summation order), against float64 within the bound."""
+    from torch import nn
+
+    from lcv_kernels.tolerances import bound, network_length, reduction_tolerance
+
+    assert network_length(nn.Conv2d(3, 4, 3), (2, 3, 5, 5)) == 27 + 50
+    with pytest.raises(ValueError, match="batch_shape"):
+        network_length(nn.Linear(2, 2), (2,))
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 12 * 12, 10),
+    )
+    x = torch.randn(4, 8, 12, 12)
+    tol = reduction_tolerance(torch.float32, network_length(net, x.shape))
+
+    def run(model: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        out = model(inputs)
+        out.square().sum().backward()
+        return [out.detach(), *(p.grad for p in model.parameters())]
+
+    want = run(net.double(), x.double())
+    for layout in (torch.contiguous_format, torch.channels_last):
+        got = run(net.float().to(memory_format=layout), x.contiguous(memory_format=layout))
+        for g, w in zip(got, want, strict=True):
+            assert float((g.double() - w).abs().max()) <= bound(tol, w)
