@@ -321,7 +321,11 @@ def test_conv_benchmark_fwd_bwd_computes_the_input_gradient():
                               **{f"bn.{k}": v for k, v in eager[1].state_dict().items()}})
         conv.forward_backward(eager, x); g_eager = x.grad.clone()
         conv.forward_backward(ours, x)
-        assert g_eager.abs().sum() > 0 and torch.allclose(x.grad, g_eager, atol=1e-5), "dgrad differs"
+        # dgrad sums C_out*R*S = 4*9 products per pixel after BN's backward sums over N*H*W = 2*6*6
+        from lcv_kernels.tolerances import reduction_tolerance
+        atol, rtol = reduction_tolerance(torch.float32, 4 * 9 + 2 * 6 * 6)
+        bound = atol + rtol * float(g_eager.abs().max())
+        assert g_eager.abs().sum() > 0 and torch.allclose(x.grad, g_eager, rtol=0, atol=bound), "dgrad differs"
         print("ok")
     """)
     proc = subprocess.run(

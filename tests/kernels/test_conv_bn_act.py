@@ -1033,6 +1033,7 @@ def test_gpu_uses_triton_kernel(monkeypatch):
 _STRIDED_POINTWISE_BACKWARD = """
 import torch
 from lcv_kernels.conv_bn_act import _conv_bn_act_backward_op as op
+from lcv_kernels.tolerances import reduction_tolerance
 torch.manual_seed(0)
 errors = []
 for stride in (1, 2, 2, 2):  # the wrong results came from the second call on: reused memory
@@ -1043,7 +1044,10 @@ for stride in (1, 2, 2, 2):  # the wrong results came from the second call on: r
         gz.double(), x.double(), w.double(), None, [stride] * 2, [0, 0], [1, 1], False, [0, 0], 1,
         [True, True, False],
     )
-    errors += [float((a - b).abs().max()) for a, b in zip(grads, ref[:2])]
+    # the weight gradient sums N*H*W/stride^2 <= 2*8*8 products, the input gradient C_out = 8: each error as a
+    # fraction of reduction_tolerance's bound at the reference's scale
+    atol, rtol = reduction_tolerance(torch.float32, 2 * 8 * 8)
+    errors += [float((a - b).abs().max()) / (atol + rtol * float(b.abs().max())) for a, b in zip(grads, ref[:2])]
 print(max(errors))
 """
 
@@ -1061,4 +1065,4 @@ def test_strided_pointwise_conv_gradients_are_right_on_an_avx2_cpu():
     script = [sys.executable, "-c", _STRIDED_POINTWISE_BACKWARD]
     out = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.strip().splitlines()[-1]) < 1e-4
+    assert float(out.stdout.strip().splitlines()[-1]) <= 1.0  # within the bound (the bug was ~10 absolute)

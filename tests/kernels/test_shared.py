@@ -172,3 +172,128 @@ def test_reduction_tolerance_grows_with_the_square_root_of_the_sum_and_holds_acr
         for summed in (x.sum(1), x.cumsum(1)[:, -1]):
             error = float((summed.double() - ref).abs().max())
             assert error <= bound, (length, error, bound)
+
+
+def test_trajectory_tolerance_covers_sgd_steps_whose_gradients_sum_in_two_orders():
+    """Least squares by SGD in float32, the gradient's sum over the batch taken two ways (one matmul; a
+    running sum over chunks), against float64: both within the bound after each step, which grows with
+    the steps."""
+    from lcv_kernels.tolerances import bound, trajectory_tolerance
+
+    generator = torch.Generator().manual_seed(0)
+    n, d, steps, lr = 4096, 16, 6, 0.5
+    x, w_true = torch.randn(n, d, generator=generator), torch.randn(d, 1, generator=generator)
+    y = x @ w_true + 0.1 * torch.randn(n, 1, generator=generator)
+
+    def chunked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(a.shape[1], b.shape[1], dtype=a.dtype)
+        for i in range(0, n, 64):
+            total = total + a[i : i + 64].T @ b[i : i + 64]
+        return total
+
+    weights = {
+        name: torch.zeros(d, 1, dtype=torch.float64 if name == "ref" else torch.float32)
+        for name in ("ref", "matmul", "chunked")
+    }
+    for step in range(1, steps + 1):
+        for name, w in weights.items():
+            a, b = (x.double(), y.double()) if name == "ref" else (x, y)
+            residual = a @ w - b
+            gradient = chunked(a, residual) if name == "chunked" else a.T @ residual
+            weights[name] = w - lr * gradient / n
+        limit = bound(trajectory_tolerance(torch.float32, n, step), weights["ref"])
+        for name in ("matmul", "chunked"):
+            error = float((weights[name].double() - weights["ref"]).abs().max())
+            assert error <= limit, (step, name, error, limit)
+    assert trajectory_tolerance(torch.float32, n, 4)[0] == pytest.approx(
+        4 * trajectory_tolerance(torch.float32, n, 1)[0]
+    )
+    with pytest.raises(ValueError, match="positive"):
+        trajectory_tolerance(torch.float32, n, 0)
+
+
+def test_image_tolerances_cover_float32_image_ops_and_an_8_bit_reference():
+    """A contrast blend (a mean over H*W, then a blend by 1.8), bilinear samples at positions computed two
+    ways and an 8-bit reference, each in float32 against float64: within the bound. The rounding of the
+    8-bit reference is what its extra half level is for: without it the float bound alone is exceeded."""
+    from lcv_kernels.tolerances import image_tolerance, resample_tolerance, uint8_tolerance
+
+    generator = torch.Generator().manual_seed(1)
+    img = torch.randint(0, 256, (4, 64, 64), generator=generator).float()
+    factor = 1.8
+
+    def contrast(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        return (factor * x + (1 - factor) * mean).clamp(0, 255)
+
+    truth = contrast(img.double(), img.double().mean(dim=(1, 2), keepdim=True))
+    atol = image_tolerance(64 * 64 + 2, scale=255, gain=factor)
+    means = (img.mean(dim=(1, 2), keepdim=True), img.flatten(1).cumsum(1)[:, -1].view(4, 1, 1) / (64 * 64))
+    for mean in means:
+        assert float((contrast(img, mean).double() - truth).abs().max()) <= atol
+
+    # Bilinear samples of a 0/255 edge pattern, the source position from half-pixel centres directly and
+    # through grid_sample's [-1, 1] coordinates (align_corners=False), against float64.
+    size, out = 61, 97
+    row = (torch.arange(size) % 2 * 255).double()
+
+    def sample(position: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        low = position.floor().clamp(0, size - 2)
+        frac, low = position - low, low.long()
+        return values[low] + (values[low + 1] - values[low]) * frac
+
+    centres = torch.arange(out, dtype=torch.float64)
+    exact = sample((centres + 0.5) * size / out - 0.5, row)
+    direct = (torch.arange(out).float() + 0.5) * (size / out) - 0.5
+    normalized = (2 * (torch.arange(out).float() + 0.5) / out - 1).float()
+    via_grid = ((normalized + 1) * size - 1) / 2
+    errors = [float((sample(p, row.float()).double() - exact).abs().max()) for p in (direct, via_grid)]
+    assert max(errors) <= resample_tolerance(2, size, scale=255), errors
+    assert max(errors) > image_tolerance(2, scale=255), errors  # the positions' rounding is what shows
+
+    # An 8-bit reference (rounded to levels) against the float result.
+    brightened = (img * 1.3).clamp(0, 255)
+    reference = (img.double() * 1.3).clamp(0, 255).round()
+    error = float((brightened.double() - reference).abs().max())
+    assert error <= uint8_tolerance(0.5, 1, scale=255, gain=1.3)
+    assert error > image_tolerance(1, scale=255, gain=1.3)
+
+
+def test_bound_scales_the_relative_part_by_the_largest_reference_value():
+    from lcv_kernels.tolerances import bound
+
+    assert bound((1e-6, 1e-3), torch.tensor([-4.0, 2.0])) == pytest.approx(1e-6 + 4e-3)
+    assert bound((1e-6, 1e-3), torch.empty(0)) == 1e-6
+
+
+def test_network_length_bounds_a_small_network_forward_and_backward_in_two_layouts():
+    """conv + BatchNorm + linear: the fan-ins plus the batch's positions per layer; float32 output and
+    gradients, contiguous and channels_last (another summation order), against float64 within the bound."""
+    from torch import nn
+
+    from lcv_kernels.tolerances import bound, network_length, reduction_tolerance
+
+    assert network_length(nn.Conv2d(3, 4, 3), (2, 3, 5, 5)) == 27 + 50
+    with pytest.raises(ValueError, match="batch_shape"):
+        network_length(nn.Linear(2, 2), (2,))
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 12 * 12, 10),
+    )
+    x = torch.randn(4, 8, 12, 12)
+    tol = reduction_tolerance(torch.float32, network_length(net, x.shape))
+
+    def run(model: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        out = model(inputs)
+        out.square().sum().backward()
+        return [out.detach(), *(p.grad for p in model.parameters())]
+
+    want = run(net.double(), x.double())
+    for layout in (torch.contiguous_format, torch.channels_last):
+        got = run(net.float().to(memory_format=layout), x.contiguous(memory_format=layout))
+        for g, w in zip(got, want, strict=True):
+            assert float((g.double() - w).abs().max()) <= bound(tol, w)

@@ -425,6 +425,8 @@ def _compare(
                 continue
             assert values_r.keys() == values_o.keys()
             for name, value in values_o.items():
+                # gradients and buffers: ten times the forward's, as the table's ``*_grad`` rows (backward
+                # chains two or three reductions); exact stays exact
                 torch.testing.assert_close(
                     values_r[name],
                     value,

@@ -6,6 +6,7 @@ import lightning as L
 import torch
 
 from boring import TRAINER_KWARGS, TinyModule, make_loader, params_of
+from lcv_kernels.tolerances import bound, network_length, trajectory_tolerance
 from lightning_plugin import CompiledStrategy
 from lightning_plugin.compile.checkpoint_keys import align_to_module, strip_compile_prefix
 
@@ -70,9 +71,11 @@ def test_eager_checkpoint_resumes_under_the_strategy_and_training_continues(tmp_
     trainer.fit(resumed, make_loader(), ckpt_path=path)
     assert trainer.global_step == 6
     assert strategy.compile_stats.graphs >= 1
-    # Same weights as one uninterrupted eager run of 2 epochs (optimizer momentum restored too).
+    # Same weights as one uninterrupted eager run of 2 epochs (optimizer momentum restored too), within the
+    # rounding of Inductor's fused sums over its 6 steps (batches of 8 images of 8x8).
+    tol = trajectory_tolerance(torch.float32, network_length(reference, (8, 3, 8, 8)), trainer.global_step)
     for key, value in params_of(reference).items():
-        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(resumed.state_dict()[key], value, atol=bound(tol, value), rtol=0, msg=key)
 
 
 def test_key_helpers():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from boring import TRAINER_KWARGS, ConvBlock, TinyModule, make_loader
+from lcv_kernels.tolerances import bound, network_length, trajectory_tolerance
 from lightning_plugin import CompiledStrategy
 from lightning_plugin.compile.compiler import find_repeated_blocks
 
@@ -59,12 +60,13 @@ def test_same_losses_as_eager_with_inductor():
     strategy = CompiledStrategy()  # inductor, the real thing
     fit(compiled, strategy, validate=False, max_epochs=2)
     assert strategy.compile_stats.graphs >= 1 and not strategy.compile_stats.fell_back
-    # fp32 on CPU: reassociation inside fused kernels changes the last bits only.
-    torch.testing.assert_close(
-        torch.tensor(compiled.train_losses), torch.tensor(eager.train_losses), rtol=1e-4, atol=1e-5
-    )
+    # fp32 on CPU: reassociation inside fused kernels changes the last bits of each step's sums only.
+    steps = len(eager.train_losses)
+    tol = trajectory_tolerance(torch.float32, network_length(eager, (8, 3, 8, 8)), steps)
+    losses = torch.tensor(eager.train_losses)
+    torch.testing.assert_close(torch.tensor(compiled.train_losses), losses, atol=bound(tol, losses), rtol=0)
     for (name, p_eager), p_compiled in zip(eager.state_dict().items(), compiled.state_dict().values()):
-        torch.testing.assert_close(p_compiled, p_eager, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(p_compiled, p_eager, atol=bound(tol, p_eager), rtol=0, msg=name)
 
 
 def test_teardown_restores_the_module_and_a_second_fit_works():

@@ -21,6 +21,7 @@ import torch
 
 import lightning_plugin
 from boring import TRAINER_KWARGS, TinyModule, make_loader
+from lcv_kernels.tolerances import bound, network_length, trajectory_tolerance
 from lightning_plugin.compile import decision as compile_decision
 from lightning_plugin.compile.decision import DECISIONS_FILE, SAMPLES, WARMUP_STEPS, model_signature
 from lightning_plugin.config import CompileConfig
@@ -148,8 +149,11 @@ def test_weights_after_switching_equal_an_eager_fit():
     L.Trainer(**{**TRAINER_KWARGS, "limit_train_batches": STEPS_TO_DECIDE + 3}).fit(
         eager, make_loader(n=8 * (STEPS_TO_DECIDE + 3), batch_size=8)
     )
+    # compiled steps before the switch sum in another order; their errors carry through all the steps
+    tol = trajectory_tolerance(torch.float32, network_length(eager, (8, 3, 8, 8)), STEPS_TO_DECIDE + 3)
     for key, value in eager.state_dict().items():
-        torch.testing.assert_close(switched.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        atol = bound(tol, value)
+        torch.testing.assert_close(switched.state_dict()[key], value, atol=atol, rtol=0, msg=key)
 
 
 def test_cached_eager_decision_compiles_nothing_in_a_new_strategy(tmp_path, caplog):

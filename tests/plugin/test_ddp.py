@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from boring import TRAINER_KWARGS, make_loader
 from ddp_script import NoBatchNorm
+from lcv_kernels.tolerances import bound, network_length, trajectory_tolerance
 
 HERE = os.path.dirname(__file__)
 
@@ -42,6 +43,7 @@ def test_compiled_ddp_matches_single_process_eager(tmp_path):
     eager = NoBatchNorm()
     L.Trainer(**TRAINER_KWARGS).fit(eager, DataLoader(make_loader(n=32).dataset, batch_size=8, shuffle=False))
     ddp_state = torch.load(out + ".pt")
+    # Gradient all-reduce sums in another order than one batch: fp32 rounding of the 4 steps' sums only.
+    tol = trajectory_tolerance(torch.float32, network_length(eager, (8, 3, 8, 8)), info["steps"])
     for key, value in eager.state_dict().items():
-        # Gradient all-reduce sums in another order than one batch: fp32 rounding only.
-        torch.testing.assert_close(ddp_state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(ddp_state[key], value, atol=bound(tol, value), rtol=0, msg=key)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from boring import TRAINER_KWARGS
-from lcv_kernels.tolerances import tolerance
+from lcv_kernels.tolerances import bound, network_length, reduction_tolerance, tolerance, trajectory_tolerance
 from lcv_vision.models.airbench import AirbenchNet
 from lcv_vision.models.resnet import BasicBlock, Bottleneck, ResNet
 from lightning_plugin import KNOWN_KERNELS, CompiledStrategy
@@ -415,8 +415,12 @@ def test_float64_training_keeps_blocks_eager_and_says_why(caplog):
     assert "no kernel substitutions applied" in caplog.text
     assert "not fused: net.layer1.0: bn1: BatchNorm2d.weight is float64" in caplog.text
     assert not strategy.compile_stats.fell_back
+    # aot_eager decomposes some ops (another order of the same float64 sums); the loss after ``step``
+    # optimizer steps carries their errors
+    length = network_length(eager_module, (4, 3, 16, 16))
     for step, (a, b) in enumerate(zip(eager_module.losses, fused_module.losses, strict=True)):
-        assert abs(a - b) <= 1e-12 * max(1.0, abs(a)), f"loss at step {step}: {a} vs {b}"
+        limit = bound(trajectory_tolerance(torch.float64, length, step + 1), torch.tensor(a))
+        assert abs(a - b) <= limit, f"loss at step {step}: {a} vs {b}"
 
 
 def test_an_input_of_a_dtype_no_kernel_takes_runs_the_blocks_eager():
@@ -427,4 +431,6 @@ def test_an_input_of_a_dtype_no_kernel_takes_runs_the_blocks_eager():
     apply_substitutions(model, ALL)
     model.double()
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
-    torch.testing.assert_close(model(x), eager(x), rtol=1e-12, atol=1e-12)
+    want = eager(x)
+    tol = reduction_tolerance(torch.float64, network_length(eager, x.shape))
+    torch.testing.assert_close(model(x), want, atol=bound(tol, want), rtol=0)

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lcv_kernels.tolerances import bound, network_length, trajectory_tolerance
 from script_loader import load_script
 
 pytest.importorskip("airbench", reason="airbench is in the dev extra: pip install -e '.[dev]'")
@@ -122,6 +123,10 @@ def test_recipe_trains_like_airbench_train_loop(tmp_path, monkeypatch):
     want = dict(zip(ours_keys, reference.state_dict().values(), strict=True))
     got = module.model.state_dict()
     assert not torch.equal(want["whiten.bias"], start_state["whiten.bias"])  # both really trained
+    # another implementation of the same steps: each sums the batch in another order (summed loss against
+    # mean loss), and the 12 steps carry those errors
+    steps = EPOCHS * STEPS_PER_EPOCH
+    tol = trajectory_tolerance(torch.float32, network_length(reference, (BATCH, 3, 32, 32)), steps)
     for name, value in want.items():
         if value.is_floating_point():
-            torch.testing.assert_close(got[name], value, rtol=1e-3, atol=1e-5, msg=name)
+            torch.testing.assert_close(got[name], value, atol=bound(tol, value), rtol=0, msg=name)

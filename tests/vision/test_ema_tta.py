@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from lcv_kernels.tolerances import bound, reduction_tolerance, trajectory_tolerance
 from lcv_vision.ema import ModelEMA, lookahead_decay
 from lcv_vision.tta import predict_with_tta
 
@@ -31,7 +32,9 @@ def test_ema_follows_the_recurrence_on_parameters_and_buffers():
                 expected[k] = 0.75 * expected[k] + 0.25 * v.double()
     for k, v in ema.module.state_dict().items():
         if v.is_floating_point():
-            torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6)
+            # float32 against float64: each of the 4 updates rounds a blend of two terms
+            atol = bound(trajectory_tolerance(torch.float32, 2, 4), expected[k])
+            torch.testing.assert_close(v.double(), expected[k], atol=atol, rtol=0)
     # integer buffers are copied, not averaged
     assert ema.module[1].num_batches_tracked.item() == live[1].num_batches_tracked.item() == 4
 
@@ -89,7 +92,9 @@ def test_tta_flip_translate_against_numpy_views():
     weights = [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
     w = model.weight.numpy()
     expected = sum(wt * (v.reshape(2, -1) @ w.T) for wt, v in zip(weights, views))
-    np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-12, atol=1e-12)
+    # float64: six weighted views of a 20-term product each
+    atol = bound(reduction_tolerance(torch.float64, 6 * 20), torch.from_numpy(expected))
+    np.testing.assert_allclose(logits.numpy(), expected, rtol=0, atol=atol)
     seen = sorted(v.tobytes() for v in model.views)
     assert seen == sorted(np.ascontiguousarray(v).tobytes() for v in views)
 

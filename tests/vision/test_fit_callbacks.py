@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from lcv_kernels.tolerances import bound, reduction_tolerance
 from lcv_vision.callbacks import BestAndLastCheckpoint, LcvProgressBar, ThroughputMeter
 from lcv_vision.ema import ema_warmup_decay
 
@@ -135,7 +136,9 @@ def test_recipe_ema_moves_on_a_run_shorter_than_its_update_interval():
     for name, average in module.ema.module.state_dict().items():
         if average.is_floating_point():
             want = 0.1 * initial[name].double() + 0.9 * final[name].double()
-            torch.testing.assert_close(average.double(), want, rtol=1e-5, atol=1e-6, msg=name)
+            # float32: a blend of two terms by a decay itself rounded to float32
+            atol = bound(reduction_tolerance(torch.float32, 2 + 1), want)
+            torch.testing.assert_close(average.double(), want, atol=atol, rtol=0, msg=name)
     bn = module.ema.module.bn1
     assert bn.running_mean.abs().sum() > 0  # followed the data's statistics, not the initial zeros
     assert module.evaluation_weights() == ["EMA", "final"]

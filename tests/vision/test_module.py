@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from lcv_kernels.tolerances import bound, network_length, reduction_tolerance, trajectory_tolerance
 from lcv_vision.module import ClassificationModule, lr_factor
 from lcv_vision.recipes import DigitsData, build_module
 
@@ -33,7 +35,9 @@ def test_triangle_schedule_is_airbench_interpolation(total):
     hp = _hp(schedule="triangle", warmup_fraction=0.23, warmup_start_factor=0.2, final_lr_factor=0.07)
     warmup = int(0.23 * total)  # airbench's triangle(): xp = [0, int(peak * steps), steps]
     expected = np.interp(np.arange(total + 1), [0, warmup, total], [0.2, 1.0, 0.07])
-    np.testing.assert_allclose([lr_factor(s, total, 10, hp) for s in range(total + 1)], expected, atol=1e-12)
+    # float64, a few elementwise operations of values up to 1
+    atol = reduction_tolerance(torch.float64, 4)[0]
+    np.testing.assert_allclose([lr_factor(s, total, 10, hp) for s in range(total + 1)], expected, atol=atol)
 
 
 def test_cosine_schedule_matches_torch_cosine_annealing():
@@ -47,7 +51,11 @@ def test_cosine_schedule_matches_torch_cosine_annealing():
         optimizer.step()
         reference.step()
     hp = _hp(final_lr_factor=0.1)
-    np.testing.assert_allclose([lr_factor(s, total, 5, hp) for s in range(total + 1)], values, atol=1e-9)
+    # torch's scheduler is recursive: each of the 50 steps multiplies by a ratio whose denominator
+    # ``1 + cos(pi (t - 1) / T)`` cancels down to ~(pi / T)^2 / 2 at the end, which magnifies its rounding
+    amplification = 1 / (1 + math.cos(math.pi * (total - 1) / total))
+    atol = trajectory_tolerance(torch.float64, 4, total)[0] * amplification
+    np.testing.assert_allclose([lr_factor(s, total, 5, hp) for s in range(total + 1)], values, atol=atol)
 
 
 def test_step_schedule():
@@ -114,8 +122,10 @@ def test_airbench_recipe_updates_match_airbench_summed_loss_sgd():
             reference_model(images), labels, label_smoothing=0.2, reduction="sum"
         ).backward()
         reference.step()
+    # mean loss against summed loss: the same 3 steps, the batch's sums in another order and scale
+    tol = trajectory_tolerance(torch.float32, network_length(reference_model, images.shape), 3)
     for (name, got), want in zip(module.model.named_parameters(), reference_model.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(got, want, atol=bound(tol, want), rtol=0, msg=name)
 
 
 def test_eval_uses_the_ema_weights():
