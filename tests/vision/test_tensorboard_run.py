@@ -83,7 +83,8 @@ def runs(tmp_path_factory) -> list[tuple[Path, dict]]:
 
 def _sections(tags: list[str]) -> list[str]:
     """TensorBoard's Time Series sections in its order: the tags sorted by its ``compareTagNames`` (a ``/``
-    sorts before any other character; none of these names has digits) and grouped by their first part."""
+    sorts before any other character; its numeric comparison of digit runs is left out: no section name here
+    has digits, so it could only reorder cards inside a section) and grouped by their first part."""
     ordered = sorted(tags, key=lambda tag: [(c != "/", c) for c in tag])
     return list(dict.fromkeys(tag.split("/", 1)[0] for tag in ordered))
 
