@@ -1,7 +1,7 @@
 """Screenshots of TensorBoard for docs/monitoring.md, from real ``lcv fit --recipe digits-small`` runs.
 
     python docs/make_screenshots.py                  # two fits (learning rates 0.2 and 0.05), then shots
-    python docs/make_screenshots.py --runs DIR        # shots of logs that exist (DIR holds digits-small/...)
+    python docs/make_screenshots.py --runs DIR        # the same, the logs kept in DIR; shots only if DIR has them
 
 Needs a headless Chromium (Debian: ``apt-get install chromium``) and TensorBoard; no network. It trains in a
 temporary folder (``make run``'s recipe, offline data), serves the logs with TensorBoard on 127.0.0.1, and
@@ -35,7 +35,7 @@ SHOTS = {
     "tensorboard_first_screen.png": ("?fastChart=false#timeseries", (1400, 1000)),
     "tensorboard_custom_scalars.png": ("#custom_scalars", (1400, 1000)),
     "tensorboard_compile_card.png": ("#text", (1400, 1500)),
-    "tensorboard_hparams.png": ("#hparams", (2200, 600)),
+    "tensorboard_hparams.png": ("#hparams", (2600, 600)),
 }
 COLOURS = 64  # a palette this small keeps a dashboard PNG near 100 KB
 #: Where TensorBoard keeps its settings in the browser (its Settings pane's open state among them).
@@ -203,14 +203,15 @@ def shoot(chrome: str, base: str, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, help="existing logs (skip training)")
+    parser.add_argument("--runs", type=Path, help="the logs' folder: trained into when it has no logs yet")
     args = parser.parse_args(argv)
     chrome = browser()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = args.runs
-        if runs is None:
-            runs = Path(tmp) / "runs"
-            runs.mkdir()
+        runs = args.runs if args.runs is not None else Path(tmp) / "runs"
+        if not any(runs.glob("*/version_*")):
+            if runs.name != "runs":  # lcv fit logs into ./runs of the folder it runs in
+                raise SystemExit(f"--runs {runs}: to train into it, name the folder 'runs'")
+            runs.mkdir(parents=True, exist_ok=True)
             train(runs)
         port = free_port()
         server = serve(runs, port)

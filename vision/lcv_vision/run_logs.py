@@ -143,9 +143,6 @@ COLUMNS = (
     "whole_run/samples_per_sec",
     "whole_run/compile_s",
     "whole_run/compile_speedup",
-    "val/acc",
-    "val/loss",
-    "train/loss",
 )
 
 
