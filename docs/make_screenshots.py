@@ -35,7 +35,7 @@ SHOTS = {
     "tensorboard_first_screen.png": ("?fastChart=false#timeseries", (1400, 1000)),
     "tensorboard_custom_scalars.png": ("#custom_scalars", (1400, 1000)),
     "tensorboard_compile_card.png": ("#text", (1400, 1500)),
-    "tensorboard_hparams.png": ("#hparams", (2600, 600)),
+    "tensorboard_hparams.png": ("#hparams", (2600, 500)),
 }
 COLOURS = 64  # a palette this small keeps a dashboard PNG near 100 KB
 #: Where TensorBoard keeps its settings in the browser (its Settings pane's open state among them).
