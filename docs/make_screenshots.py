@@ -1,7 +1,7 @@
 """Screenshots of TensorBoard for docs/monitoring.md, from real ``lcv fit --recipe digits-small`` runs.
 
     python docs/make_screenshots.py                  # two fits (learning rates 0.2 and 0.05), then shots
-    python docs/make_screenshots.py --runs DIR        # shots of logs that exist (DIR holds digits-small/...)
+    python docs/make_screenshots.py --runs DIR        # the same, the logs kept in DIR; shots only if DIR has them
 
 Needs a headless Chromium (Debian: ``apt-get install chromium``) and TensorBoard; no network. It trains in a
 temporary folder (``make run``'s recipe, offline data), serves the logs with TensorBoard on 127.0.0.1, and
@@ -12,6 +12,8 @@ writes small PNGs into docs/images/: the first screen (Time Series), the Custom 
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import os
 import shutil
 import socket
@@ -33,9 +35,11 @@ SHOTS = {
     "tensorboard_first_screen.png": ("?fastChart=false#timeseries", (1400, 1000)),
     "tensorboard_custom_scalars.png": ("#custom_scalars", (1400, 1000)),
     "tensorboard_compile_card.png": ("#text", (1400, 1500)),
-    "tensorboard_hparams.png": ("#hparams", (2200, 600)),
+    "tensorboard_hparams.png": ("#hparams", (2600, 500)),
 }
 COLOURS = 64  # a palette this small keeps a dashboard PNG near 100 KB
+#: Where TensorBoard keeps its settings in the browser (its Settings pane's open state among them).
+SETTINGS_KEY = "_tb_global_settings"
 
 
 def train(runs: Path) -> None:
@@ -87,42 +91,133 @@ def browser() -> str:
     raise SystemExit("no headless Chromium found: install it (Debian: apt-get install chromium) and rerun")
 
 
-def shoot(chrome: str, url: str, window: tuple[int, int], out: Path) -> None:
-    """One page, rendered headless (the virtual time budget lets TensorBoard's scripts load the data)."""
-    width, height = window
-    command = [
-        chrome,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--hide-scrollbars",
-        f"--window-size={width},{height}",
-        "--virtual-time-budget=20000",
-        f"--screenshot={out}",
-        url,
-    ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=180)
-    Image.open(out).convert("RGB").quantize(COLOURS).save(out, optimize=True)
+class Chromium:
+    """A headless Chromium driven over its DevTools pipe (``--remote-debugging-pipe``: JSON messages ended by a
+    NUL byte on file descriptors 3 and 4), so that no client library is needed. The pipe lets the script do
+    what a reader does first: close TensorBoard's Settings pane (a setting TensorBoard keeps in the page's
+    local storage), then wait for the data and photograph the page."""
+
+    def __init__(self, chrome: str, profile: Path) -> None:
+        to_chrome_r, self._to_chrome = os.pipe()
+        self._from_chrome, from_chrome_w = os.pipe()
+        command = [
+            chrome,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "about:blank",
+        ]
+
+        def child_fds() -> None:
+            # The pipe's ends onto 3 and 4, where Chromium looks for them. Copies first (the lowest free
+            # numbers, read end first), so that moving one cannot overwrite the other.
+            read_end, write_end = os.dup(to_chrome_r), os.dup(from_chrome_w)
+            os.dup2(read_end, 3)
+            os.dup2(write_end, 4)
+
+        # close_fds=False: the copies on 3 and 4 must survive into Chromium (the script's own descriptors
+        # are not inheritable, so nothing else leaks)
+        self._process = subprocess.Popen(
+            command,
+            close_fds=False,
+            preexec_fn=child_fds,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._buffer = b""
+        self._id = 0
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self._session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def call(self, method: str, session: bool = False, **params: object) -> dict:
+        """Send one command and return its result (events that arrive meanwhile are dropped)."""
+        self._id += 1
+        message: dict[str, object] = {"id": self._id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self._session
+        os.write(self._to_chrome, json.dumps(message).encode() + b"\0")
+        while True:
+            while b"\0" not in self._buffer:
+                chunk = os.read(self._from_chrome, 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"Chromium closed its DevTools pipe during {method}")
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return dict(reply.get("result", {}))
+
+    def open(self, url: str, window: tuple[int, int], settle_s: float) -> None:
+        width, height = window
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            True,
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        self.call("Page.navigate", True, url=url)
+        time.sleep(settle_s)  # TensorBoard fetches its data after the page has loaded
+
+    def local_storage(self, key: str, value: object) -> None:
+        self.call(
+            "Runtime.evaluate",
+            True,
+            expression=f"localStorage.setItem({json.dumps(key)}, {json.dumps(json.dumps(value))})",
+        )
+
+    def screenshot(self, out: Path) -> None:
+        data = self.call("Page.captureScreenshot", True, format="png")["data"]
+        out.write_bytes(base64.b64decode(data))
+        Image.open(out).convert("RGB").quantize(COLOURS).save(out, optimize=True)
+
+    def close(self) -> None:
+        self._process.terminate()
+        self._process.wait(timeout=30)
+        os.close(self._to_chrome)
+        os.close(self._from_chrome)
+
+
+def shoot(chrome: str, base: str, out_dir: Path) -> None:
+    """Every page of :data:`SHOTS`, with TensorBoard's Settings pane closed."""
+    with tempfile.TemporaryDirectory() as profile:
+        page = Chromium(chrome, Path(profile))
+        try:
+            page.open(f"{base}/", (1400, 1000), settle_s=5)
+            page.local_storage(SETTINGS_KEY, {"timeSeriesSettingsPaneOpened": False})
+            for name, (path, window) in SHOTS.items():
+                page.open(f"{base}/{path}", window, settle_s=15)
+                page.screenshot(out_dir / name)
+                print(f"wrote {out_dir / name} ({(out_dir / name).stat().st_size // 1024} KB)")
+        finally:
+            page.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, help="existing logs (skip training)")
+    parser.add_argument("--runs", type=Path, help="the logs' folder: trained into when it has no logs yet")
     args = parser.parse_args(argv)
     chrome = browser()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = args.runs
-        if runs is None:
-            runs = Path(tmp) / "runs"
-            runs.mkdir()
+        runs = args.runs if args.runs is not None else Path(tmp) / "runs"
+        if not any(runs.glob("*/version_*")):
+            if runs.name != "runs":  # lcv fit logs into ./runs of the folder it runs in
+                raise SystemExit(f"--runs {runs}: to train into it, name the folder 'runs'")
+            runs.mkdir(parents=True, exist_ok=True)
             train(runs)
         port = free_port()
         server = serve(runs, port)
         try:
             IMAGES.mkdir(parents=True, exist_ok=True)
-            for name, (page, window) in SHOTS.items():
-                shoot(chrome, f"http://127.0.0.1:{port}/{page}", window, IMAGES / name)
-                print(f"wrote {IMAGES / name} ({(IMAGES / name).stat().st_size // 1024} KB)")
+            shoot(chrome, f"http://127.0.0.1:{port}", IMAGES)
         finally:
             server.terminate()
             server.wait(timeout=30)

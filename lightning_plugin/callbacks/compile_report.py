@@ -62,7 +62,11 @@ class CompileReport(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._reset()
-            self._interval = logging_interval(trainer, self.log_every_n_steps)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after every callback's setup, which may fit the Trainer's interval to short epochs
+        self._interval = logging_interval(trainer, self.log_every_n_steps)
 
     @override
     def on_train_batch_end(

@@ -3,7 +3,7 @@ can be sorted by what matters.
 
 The row's columns are the metrics named in the record; TensorBoard fills each with the last value of the scalar
 of that tag. So the record names the curves the run already logged (their last value), a few one-point
-``summary/*`` values that are no curve (best validation score, the fit's throughput, compile seconds), and
+``whole_run/*`` values that are no curve (best validation score, the fit's throughput, compile seconds), and
 tags that come after ``fit`` (e.g. test accuracy, :meth:`HParamsRecord.expect_metrics`).
 
 TensorBoard shows only the first hparams record of a run and Lightning writes a placeholder one
@@ -46,17 +46,19 @@ class HParamsRecord(Callback):
     trainer's (``trainer/*``) and the compiler's (``compile/*``) settings, never a key starting with ``_``
     (``LightningCLI``'s ``_instantiator``, ``_class_path``).
 
-    Metric columns: every tag the run logged (its last value), ``summary/best_<monitor>`` (each
-    ``ModelCheckpoint``'s best score), ``summary/samples_per_sec`` (the fit's throughput, with ``steps``),
-    ``summary/compile_s`` and ``summary/compile_speedup`` (when compiled), and the tags passed to
+    Metric columns: ``columns`` when given (the same for every run of a sweep: TensorBoard takes the columns
+    from one run's record), else every tag the run logged (its last value), ``whole_run/best_<monitor>`` (each
+    ``ModelCheckpoint``'s best score), ``whole_run/samples_per_sec`` (the fit's throughput, with ``steps``),
+    ``whole_run/compile_s`` and ``whole_run/compile_speedup`` (when compiled), and the tags passed to
     :meth:`expect_metrics`.
 
     Args:
         batch_size_fn: returns the number of samples in a batch (``trainer/batch_size`` is the largest seen);
             default: dim 0 of the first tensor.
-        fit_totals: returns the fit's step totals (``StepMonitor.fit_totals``) for ``summary/samples_per_sec``.
+        fit_totals: returns the fit's step totals (``StepMonitor.fit_totals``) for ``whole_run/samples_per_sec``.
         headline: the settings the HParams table shows first (TensorBoard shows five, sorted by name, and the
             reader ticks others); default :data:`DEFAULT_HEADLINE`.
+        columns: the table's metric columns, in order, whatever this run logged; ``None``: as above.
     """
 
     def __init__(
@@ -64,12 +66,14 @@ class HParamsRecord(Callback):
         batch_size_fn: Callable[[Any], int] | None = None,
         fit_totals: Callable[[], StepTotals] | None = None,
         headline: Sequence[str] = DEFAULT_HEADLINE,
+        columns: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         check_options(type(self).__name__, batch_size_fn=batch_size_fn)
         self.batch_size_fn = batch_size_fn
         self.fit_totals = fit_totals
         self.headline = list(headline)
+        self.columns = list(columns) if columns is not None else None
         self._max_batch_size = 0
         self._expected: list[str] = []
 
@@ -103,7 +107,9 @@ class HParamsRecord(Callback):
         step = trainer.global_step
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=step)
-        columns = [*self._expected, *summary, *_logged_tags(trainer)]  # the table's order
+        columns = self.columns
+        if columns is None:
+            columns = [*self._expected, *summary, *_logged_tags(trainer)]  # the table's order
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 _write_record(logger, params, list(dict.fromkeys(columns)), self.headline, step)
@@ -136,16 +142,16 @@ class HParamsRecord(Callback):
                 continue
             score = callback.best_model_score
             if isinstance(score, torch.Tensor) and math.isfinite(float(score)):
-                metrics[f"summary/best_{callback.monitor.replace('/', '_')}"] = float(score)
+                metrics[f"whole_run/best_{callback.monitor.replace('/', '_')}"] = float(score)
         totals = self.fit_totals() if self.fit_totals is not None else None
         if totals is not None and totals.samples_per_sec is not None:
-            metrics["summary/samples_per_sec"] = totals.samples_per_sec
+            metrics["whole_run/samples_per_sec"] = totals.samples_per_sec
         stats = compile_stats(trainer)
         if stats is not None:
-            metrics["summary/compile_s"] = float(stats.compile_time_s)
+            metrics["whole_run/compile_s"] = float(stats.compile_time_s)
         decision = compile_decision(trainer)
         if decision is not None and decision.speedup is not None:
-            metrics["summary/compile_speedup"] = float(decision.speedup)
+            metrics["whole_run/compile_speedup"] = float(decision.speedup)
         return metrics
 
 

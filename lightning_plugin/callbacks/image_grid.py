@@ -38,7 +38,7 @@ class NormalizedBatches(Protocol):
 
 
 class ImageGrid(Callback):
-    """Logs ``samples/augmented`` at the first training batch of each epoch (global rank zero only).
+    """Logs ``vitals/train_batch`` at the first training batch of each epoch (global rank zero only).
 
     Args:
         num_images: how many images the grid shows.
@@ -102,7 +102,7 @@ class ImageGrid(Callback):
         from torchvision.utils import make_grid
 
         grid = make_grid(shown.clamp(0.0, 1.0), nrow=max(1, math.ceil(math.sqrt(shown.shape[0]))), padding=1)
-        writer.add_image("samples/augmented", grid, trainer.global_step)
+        writer.add_image("vitals/train_batch", grid, trainer.global_step)
 
     def _normalization(self, trainer: pl.Trainer) -> tuple[list[float] | None, list[float] | None]:
         if self.mean is not None:

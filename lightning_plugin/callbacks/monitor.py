@@ -32,13 +32,13 @@ class TrainingMonitor(Callback):
     """Logs throughput, data wait, compiler activity, memory, learning rate, MFU, sample images and hparams.
 
     Scalars (every ``log_every_n_steps`` training batches, averaged over that window):
-    ``perf/step_time_ms``, ``perf/samples_per_sec``, ``perf/data_wait_fraction``, ``perf/flops_per_sec``,
-    ``perf/mfu``, ``memory/peak_gib`` (CUDA) and ``optim/lr`` (:class:`StepMonitor`). The Custom Scalars
+    ``vitals/step_time_ms``, ``vitals/samples_per_sec``, ``vitals/data_wait_fraction``, ``vitals/flops_per_sec``,
+    ``vitals/mfu``, ``vitals/peak_memory_gib`` (CUDA) and ``vitals/lr`` (:class:`StepMonitor`). The Custom Scalars
     layout (:class:`ScalarLayout`). Text ``compile/report`` when the strategy exposes ``compile_stats``: the
     compile decision, graphs, breaks, recompiles, caches, compile time and kernel choices
-    (:class:`CompileReport`). Image: ``samples/augmented`` at the first batch of each epoch
+    (:class:`CompileReport`). Image: ``vitals/train_batch`` at the first batch of each epoch
     (:class:`ImageGrid`). At the end of ``fit``: the HParams tab, the run's settings and its results, with the
-    one-point ``summary/*`` values (:class:`HParamsRecord`).
+    one-point ``whole_run/*`` values (:class:`HParamsRecord`).
 
     The defaults suit a monitor that is always on (the ``lcv`` command adds one): monitoring never stops a run
     (a FLOP count that cannot be measured only warns), and on CUDA the clock reads wait for the current stream

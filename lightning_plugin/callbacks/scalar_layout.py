@@ -25,11 +25,11 @@ DEFAULT_CHARTS: dict[str, dict[str, list[str]]] = {
         "accuracy: train and validation": [r"^(train|val)[/_]acc(uracy)?(_step|_epoch)?$"],
     },
     "Speed": {
-        "samples per second": [r"^perf/samples_per_sec$"],
-        "step time (ms)": [r"^perf/step_time_ms$"],
-        "data wait fraction": [r"^perf/data_wait_fraction$"],
-        "learning rate": [r"^optim/lr"],
-        "peak device memory (GiB)": [r"^memory/peak_gib$"],
+        "samples per second": [r"^vitals/samples_per_sec$"],
+        "step time (ms)": [r"^vitals/step_time_ms$"],
+        "data wait fraction": [r"^vitals/data_wait_fraction$"],
+        "learning rate": [r"^vitals/lr"],
+        "peak device memory (GiB)": [r"^vitals/peak_memory_gib$"],
     },
 }
 

@@ -29,11 +29,11 @@ _GIB = float(1 << 30)
 
 
 class StepMonitor(Callback):
-    """Logs, averaged over every ``log_every_n_steps`` training batches: ``perf/step_time_ms``
-    (device time on CUDA), ``perf/samples_per_sec`` (end to end, data wait included),
-    ``perf/data_wait_fraction``, ``perf/flops_per_sec`` and ``perf/mfu`` (when FLOPs are known),
-    ``memory/peak_gib`` on CUDA (the window's peak: the allocator's peak is reset after each reading), and
-    ``optim/lr`` (``optim/lr_opt{i}_group{j}`` with several optimizers or groups); the learning rate and the
+    """Logs, averaged over every ``log_every_n_steps`` training batches: ``vitals/step_time_ms``
+    (device time on CUDA), ``vitals/samples_per_sec`` (end to end, data wait included),
+    ``vitals/data_wait_fraction``, ``vitals/flops_per_sec`` and ``vitals/mfu`` (when FLOPs are known),
+    ``vitals/peak_memory_gib`` on CUDA (the window's peak: the allocator's peak is reset after each reading), and
+    ``vitals/lr`` (``vitals/lr_opt{i}_group{j}`` with several optimizers or groups); the learning rate and the
     peak memory only where they change (:class:`ChangePoints`). Validation and the monitors' own writing count
     neither as step nor as wait.
 
@@ -80,7 +80,6 @@ class StepMonitor(Callback):
         self.meter.reset()
         self.fit_totals = StepTotals()
         self._rare.reset()
-        self._interval = logging_interval(trainer, self.log_every_n_steps)
         self._flops_per_sample, self._flops_per_batch = self.flops_per_sample, None
         module_flops = getattr(pl_module, "flops_per_batch", None)
         if self._flops_per_sample is None and module_flops:
@@ -91,6 +90,9 @@ class StepMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Read here, after every callback's setup: one may fit the Trainer's interval to short epochs there
+        # (lcv's FitLoggingInterval), and these curves should share the module's logging steps.
+        self._interval = logging_interval(trainer, self.log_every_n_steps)
         self._device = trainer.strategy.root_device
         self.meter.timeline = device_timeline(self._device)
         self._peak = self.peak_flops
@@ -137,19 +139,19 @@ class StepMonitor(Callback):
         self.fit_totals = self.fit_totals + window
         metrics: dict[str, float] = {}
         if window.mean_step_s is not None:
-            metrics["perf/step_time_ms"] = 1e3 * window.mean_step_s
+            metrics["vitals/step_time_ms"] = 1e3 * window.mean_step_s
         if window.busy_s > 0:
-            metrics["perf/samples_per_sec"] = window.samples / window.busy_s
-            metrics["perf/data_wait_fraction"] = window.wait_s / window.busy_s
+            metrics["vitals/samples_per_sec"] = window.samples / window.busy_s
+            metrics["vitals/data_wait_fraction"] = window.wait_s / window.busy_s
             flops_per_sec = self._flops_per_sec(window)
             if flops_per_sec is not None:
-                metrics["perf/flops_per_sec"] = flops_per_sec
+                metrics["vitals/flops_per_sec"] = flops_per_sec
                 if self._peak:
-                    metrics["perf/mfu"] = flops_per_sec / self._peak
+                    metrics["vitals/mfu"] = flops_per_sec / self._peak
         rare = _learning_rates(trainer)
         if self._device.type == "cuda":
             # The allocator's own counters: host-side, no sync. Reset so each point is its window's peak.
-            rare["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
+            rare["vitals/peak_memory_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
             torch.cuda.reset_peak_memory_stats(self._device)
         points = self._rare.points(trainer.global_step, rare)
         metrics.update(points.pop(trainer.global_step, {}))
@@ -175,8 +177,8 @@ def _learning_rates(trainer: pl.Trainer) -> dict[str, float]:
         (i, j, group) for i, opt in enumerate(trainer.optimizers) for j, group in enumerate(opt.param_groups)
     ]
     if len(groups) == 1:
-        return {"optim/lr": float(groups[0][2]["lr"])}
-    return {f"optim/lr_opt{i}_group{j}": float(group["lr"]) for i, j, group in groups}
+        return {"vitals/lr": float(groups[0][2]["lr"])}
+    return {f"vitals/lr_opt{i}_group{j}": float(group["lr"]) for i, j, group in groups}
 
 
 def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
@@ -200,7 +202,7 @@ def _measured_flops_per_sample(pl_module: pl.LightningModule, owner: str) -> flo
         first_line = (str(err).strip().splitlines() or [""])[0]
         warnings.warn(
             f"{owner}: could not count FLOPs on {type(pl_module).__name__}.example_input_array "
-            f"({type(err).__name__}: {first_line}); perf/flops_per_sec and perf/mfu will not be logged. "
+            f"({type(err).__name__}: {first_line}); vitals/flops_per_sec and vitals/mfu will not be logged. "
             "Pass flops_per_sample=..., or measure_flops=False to silence this.",
             stacklevel=3,
         )

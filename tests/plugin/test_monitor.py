@@ -146,12 +146,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 def test_perf_scalars_are_plausible(runs) -> None:
     acc = _events(runs["compiled"])
-    step_ms = _values(acc, "perf/step_time_ms")
-    wait = _values(acc, "perf/data_wait_fraction")
-    speed = _values(acc, "perf/samples_per_sec")
+    step_ms = _values(acc, "vitals/step_time_ms")
+    wait = _values(acc, "vitals/data_wait_fraction")
+    speed = _values(acc, "vitals/samples_per_sec")
     assert len(step_ms) == len(wait) == len(speed) == 10  # 5 batches x 2 epochs, logged every step
     # Training steps 1..10 only: the sanity check (num_sanity_val_steps=1) logs nothing.
-    assert [e.step for e in acc.Scalars("perf/step_time_ms")] == list(range(1, 11))
+    assert [e.step for e in acc.Scalars("vitals/step_time_ms")] == list(range(1, 11))
     assert all(ms >= 1e3 * STEP_SLEEP_S for ms in step_ms)  # the sleep inside training_step is in the step
     # Full batches sleep BATCH x DATA_DELAY_S = 32 ms in the loader, so the data wait the fraction implies
     # (wait / (1 - wait) x step time) is at least that. A ratio bound (e.g. "wait > 30%") would depend on how
@@ -168,9 +168,9 @@ def test_mfu_uses_independently_counted_flops(runs) -> None:
     acc = _events(runs["compiled"])
     # Analytic forward FLOPs per sample: 3x3 conv 3->4 on 8x8 (padding 1) + Linear 4->2, 2 FLOPs per MAC.
     forward = 2 * 4 * 3 * 9 * SIDE * SIDE + 2 * 4 * 2
-    speed = _values(acc, "perf/samples_per_sec")
-    flops = _values(acc, "perf/flops_per_sec")
-    mfu = _values(acc, "perf/mfu")
+    speed = _values(acc, "vitals/samples_per_sec")
+    flops = _values(acc, "vitals/flops_per_sec")
+    mfu = _values(acc, "vitals/mfu")
     assert len(speed) == len(flops) == len(mfu) == 10
     for s, f, m in zip(speed, flops, mfu, strict=True):
         assert f == pytest.approx(3 * forward * s, rel=1e-4)
@@ -179,7 +179,7 @@ def test_mfu_uses_independently_counted_flops(runs) -> None:
 
 def test_learning_rate_follows_the_schedule(runs) -> None:
     acc = _events(runs["compiled"])
-    points = [(e.step, e.value) for e in acc.Scalars("optim/lr")]
+    points = [(e.step, e.value) for e in acc.Scalars("vitals/lr")]
     # StepLR(step_size=1 epoch, gamma=0.5), halved when each epoch's last batch (steps 5, 10) ends. The rate is
     # logged where it changes: the last point of each value and the first of the next, so a step is a step.
     assert [step for step, _ in points] == [1, 4, 5, 9, 10]
@@ -201,20 +201,20 @@ def test_compile_card_has_counts_and_reasons(runs) -> None:
     assert "| graph breaks | 0 |" in card
     recompiles = card.split("### Recompiles")[1].split("###")[0]
     assert "forward" in recompiles and ("size" in recompiles or "grad_mode" in recompiles), card
-    assert "perf/samples_per_sec" in tags["scalars"]
+    assert "vitals/samples_per_sec" in tags["scalars"]
 
 
 def test_plain_strategy_has_no_compile_metrics(runs) -> None:
     tags = _events(runs["plain"]).Tags()["scalars"]
-    assert "perf/samples_per_sec" in tags and "optim/lr" in tags
+    assert "vitals/samples_per_sec" in tags and "vitals/lr" in tags
     assert not [t for t in tags if t.startswith("compile/")]
-    assert not [t for t in tags if t.startswith("memory/")]  # CPU run: no CUDA memory
+    assert not [t for t in tags if "memory" in t]  # CPU run: no CUDA memory
     assert "compile/report/text_summary" not in _events(runs["plain"]).Tags()["tensors"]
 
 
 def test_image_grid_is_denormalised(runs) -> None:
     acc = _events(runs["compiled"])
-    images = acc.Images("samples/augmented")
+    images = acc.Images("vitals/train_batch")
     assert len(images) == 2  # one per epoch
     grid = torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(images[0].encoded_image_string))))
     grid = grid.permute(2, 0, 1).float()[:3] / 255.0
@@ -234,8 +234,8 @@ def test_hparams_tab_has_params_and_run_metrics(runs) -> None:
     assert hparams["trainer/batch_size"].number_value == BATCH  # not the smaller last batch (4)
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
     metric_tags = {m.name.tag for m in experiment.experiment.metric_infos}
-    assert {"val_loss", "train_loss", "summary/compile_s", "summary/samples_per_sec"} <= metric_tags
-    assert acc.Scalars("summary/compile_s")[-1].value > 0
+    assert {"val_loss", "train_loss", "whole_run/compile_s", "whole_run/samples_per_sec"} <= metric_tags
+    assert acc.Scalars("whole_run/compile_s")[-1].value > 0
 
 
 def test_peak_flops_knows_the_h200(monkeypatch) -> None:
@@ -297,11 +297,13 @@ def test_tensorboard_server_lists_runs_and_scalars(runs, tmp_path) -> None:
                 pass
             time.sleep(0.5)
         assert {"compiled/version_0", "plain/version_0"} <= set(run_names), run_names
-        assert "perf/samples_per_sec" in tags["compiled/version_0"]
-        assert "summary/compile_s" in tags["compiled/version_0"]
-        series = _get_json(f"{base}/data/plugin/scalars/scalars?run=compiled/version_0&tag=perf/step_time_ms")
+        assert "vitals/samples_per_sec" in tags["compiled/version_0"]
+        assert "whole_run/compile_s" in tags["compiled/version_0"]
+        series = _get_json(
+            f"{base}/data/plugin/scalars/scalars?run=compiled/version_0&tag=vitals/step_time_ms"
+        )
         assert len(series) == 10 and all(point[2] > 0 for point in series)  # [wall_time, step, value]
-        local = [e.value for e in _events(runs["compiled"]).Scalars("perf/step_time_ms")]
+        local = [e.value for e in _events(runs["compiled"]).Scalars("vitals/step_time_ms")]
         assert [point[2] for point in series] == pytest.approx(local)  # the server serves our event file
     finally:
         server.terminate()
@@ -425,13 +427,13 @@ def test_exact_metrics_with_cuda_events_and_no_sync_per_step(monkeypatch, rank_z
     assert len(calls) == 1 and calls[0][0] == 2
     metrics = calls[0][1]
     step_s, wait_s = 0.5 + 0.75, 1.0 + 0.25
-    assert metrics["perf/step_time_ms"] == pytest.approx(1e3 * step_s / 2)
-    assert metrics["perf/data_wait_fraction"] == pytest.approx(wait_s / (step_s + wait_s))
-    assert metrics["perf/samples_per_sec"] == pytest.approx(8 / (step_s + wait_s))
-    assert metrics["perf/flops_per_sec"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s))
-    assert metrics["perf/mfu"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s) / peak)
-    assert metrics["memory/peak_gib"] == 2.0 and "memory/allocated_gib" not in metrics
-    assert metrics["optim/lr"] == pytest.approx(0.01)
+    assert metrics["vitals/step_time_ms"] == pytest.approx(1e3 * step_s / 2)
+    assert metrics["vitals/data_wait_fraction"] == pytest.approx(wait_s / (step_s + wait_s))
+    assert metrics["vitals/samples_per_sec"] == pytest.approx(8 / (step_s + wait_s))
+    assert metrics["vitals/flops_per_sec"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s))
+    assert metrics["vitals/mfu"] == pytest.approx(flops_per_sample * 8 / (step_s + wait_s) / peak)
+    assert metrics["vitals/peak_memory_gib"] == 2.0 and "vitals/allocated_memory_gib" not in metrics
+    assert metrics["vitals/lr"] == pytest.approx(0.01)
     assert monitor.steps.fit_totals.samples == 8
 
 
@@ -446,7 +448,7 @@ def test_uint8_batches_are_shown_as_they_are(tmp_path) -> None:
     monitor.on_train_epoch_start(trainer, None)
     monitor.on_train_batch_start(trainer, None, (images, torch.zeros(4)), 0)
     logger.experiment.flush()
-    grid = _decode(_events(Path(logger.log_dir)).Images("samples/augmented")[0])
+    grid = _decode(_events(Path(logger.log_dir)).Images("vitals/train_batch")[0])
     # exact: level k / 255 * 255 rounds back to k in IEEE float32 (correctly rounded on any CPU), so
     # TensorBoard's truncation keeps every level, and _decode divides by 255 the same way
     assert torch.equal(grid, make_grid(images.float() / 255, nrow=2, padding=1))
@@ -514,7 +516,9 @@ def test_flop_measurement_failure_warns_and_training_goes_on(tmp_path) -> None:
     ):
         acc = _quick_fit(tmp_path, BadExample(), log_images=False)
     tags = acc.Tags()["scalars"]
-    assert "perf/samples_per_sec" in tags and "perf/mfu" not in tags and "perf/flops_per_sec" not in tags
+    assert (
+        "vitals/samples_per_sec" in tags and "vitals/mfu" not in tags and "vitals/flops_per_sec" not in tags
+    )
 
 
 class DigitsCNN(pl.LightningModule):
@@ -552,7 +556,7 @@ def test_grid_is_denormalised_with_the_loader_pipeline(tmp_path) -> None:
     loader.set_epoch(0)
     first = next(iter(loader))[0][:4]
     expected = first * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
-    grid = _decode(acc.Images("samples/augmented")[0])
+    grid = _decode(acc.Images("vitals/train_batch")[0])
     torch.testing.assert_close(
         grid, make_grid(expected.clamp(0, 1), nrow=2, padding=1), atol=GRID_TOLERANCE, rtol=0
     )

@@ -2,8 +2,8 @@
 TensorBoard links use these names, so a refactor of the monitor must not rename, add or drop one unnoticed.
 
 Only what changes is a curve: the compiler's counters are in the ``compile/report`` card, and what is one
-value per run is a one-point ``summary/*`` scalar that the HParams tab shows. Tags that need CUDA
-(``memory/peak_gib``) are checked by ``test_monitor.py``'s mocked-device test; the card's kernel table by
+value per run is a one-point ``whole_run/*`` scalar that the HParams tab shows. Tags that need CUDA
+(``vitals/peak_memory_gib``) are checked by ``test_monitor.py``'s mocked-device test; the card's kernel table by
 ``test_kernel_selection_trainer.py``.
 """
 
@@ -28,22 +28,22 @@ from test_monitor import ImageData, WithGraphBreak, _events
 
 SCALARS = {
     # the monitor's own curves
-    "perf/step_time_ms",
-    "perf/samples_per_sec",
-    "perf/data_wait_fraction",
-    "perf/flops_per_sec",
-    "perf/mfu",
-    "optim/lr",
+    "vitals/step_time_ms",
+    "vitals/samples_per_sec",
+    "vitals/data_wait_fraction",
+    "vitals/flops_per_sec",
+    "vitals/mfu",
+    "vitals/lr",
     # one point each: the HParams tab's values that are no curve
-    "summary/samples_per_sec",
-    "summary/compile_s",
+    "whole_run/samples_per_sec",
+    "whole_run/compile_s",
     # the module's and Lightning's (not the monitor's, listed so the set is complete)
     "train_loss",
     "val_loss",
     "epoch",
 }
 TEXTS = {"compile/report"}
-IMAGES = {"samples/augmented"}
+IMAGES = {"vitals/train_batch"}
 HPARAMS = {
     "lr",
     "step_sleep",
@@ -62,7 +62,7 @@ HPARAMS = {
     "compile/kernels",
 }
 #: The HParams tab's columns: the module's own curves (their last value) and the summary values.
-METRICS = {"train_loss", "val_loss", "summary/samples_per_sec", "summary/compile_s"}
+METRICS = {"train_loss", "val_loss", "whole_run/samples_per_sec", "whole_run/compile_s"}
 EXPECTED = {
     "scalars": SCALARS,
     "texts": TEXTS,

@@ -47,7 +47,7 @@ def test_ddp_writes_one_set_of_events_from_rank_zero(tmp_path):
     files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("events.out.tfevents.*"))
     assert len(files) == 1 and files[0].parent == Path("ddp/version_0"), files
     acc = _events(tmp_path / "ddp" / "version_0")
-    steps = [e.step for e in acc.Scalars("perf/step_time_ms")]
+    steps = [e.step for e in acc.Scalars("vitals/step_time_ms")]
     assert steps == sorted(set(steps)) == [1, 2, 3, 4]  # 32 samples / 2 ranks / batch 4: each step once
     assert len(acc.Tensors("compile/report/text_summary")) >= 1
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
@@ -128,15 +128,15 @@ def test_a_rarely_changing_value_is_logged_where_it_changes():
     constant, schedule = ChangePoints(), ChangePoints()
     logged_constant, logged_schedule = {}, {}
     for step, lr in [(10, 0.1), (20, 0.1), (30, 0.1), (40, 0.01), (50, 0.01), (60, 0.01)]:
-        logged_constant.update(constant.points(step, {"optim/lr": 0.5}))
-        logged_schedule.update(schedule.points(step, {"optim/lr": lr}))
+        logged_constant.update(constant.points(step, {"vitals/lr": 0.5}))
+        logged_schedule.update(schedule.points(step, {"vitals/lr": lr}))
     logged_constant.update(constant.end())
     logged_schedule.update(schedule.end())
-    assert logged_constant == {10: {"optim/lr": 0.5}}  # one point, no flat line
+    assert logged_constant == {10: {"vitals/lr": 0.5}}  # one point, no flat line
     # a step, drawn as a step: the old value's last point, the new value's first, and the end
     assert logged_schedule == {
-        10: {"optim/lr": 0.1},
-        30: {"optim/lr": 0.1},
-        40: {"optim/lr": 0.01},
-        60: {"optim/lr": 0.01},
+        10: {"vitals/lr": 0.1},
+        30: {"vitals/lr": 0.1},
+        40: {"vitals/lr": 0.01},
+        60: {"vitals/lr": 0.01},
     }

@@ -1,4 +1,4 @@
-"""``lcv``'s ThroughputMeter runs on the same StepMeter as TrainingMonitor's perf/samples_per_sec; and the
+"""``lcv``'s ThroughputMeter runs on the same StepMeter as TrainingMonitor's vitals/samples_per_sec; and the
 ``first_images`` helper the whitening init and ``sample_train_images`` share."""
 
 from __future__ import annotations

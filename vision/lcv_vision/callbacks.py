@@ -33,7 +33,7 @@ __all__ = [
 
 class ThroughputMeter(Callback):
     """Training images per second over the training batches of every epoch (validation excluded), on the same
-    :class:`~lightning_plugin.step_meter.StepMeter` as ``TrainingMonitor``'s ``perf/samples_per_sec``.
+    :class:`~lightning_plugin.step_meter.StepMeter` as ``TrainingMonitor``'s ``vitals/samples_per_sec``.
 
     An epoch's time runs from its start to its last training batch, so data loading counts but validation does
     not; on CUDA the time comes from events on the device's current stream, read once per epoch. An epoch

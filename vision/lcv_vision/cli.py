@@ -161,7 +161,7 @@ class LcvCLI(LightningCLI):
         flat.update({f"data.{k}": v for k, v in defaults["data"].items()})
         flat.update({f"trainer.{k}": v for k, v in defaults["trainer"].items()})
         flat["trainer.logger"] = {
-            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "class_path": "lcv_vision.run_logs.RunLogger",
             "init_args": {"save_dir": "runs", "name": self.recipe.name},
         }
         flat["trainer.callbacks"] = [
@@ -260,8 +260,7 @@ class LcvCLI(LightningCLI):
 
     # ------------------------------------------------------------------------------------- subcommands
     def before_fit(self) -> None:
-        tested = self.config["fit"].get("test_after_fit", True)
-        prepare_hparams(self.trainer, self.model.evaluation_weights() if tested else [])
+        prepare_hparams(self.trainer)
 
     def after_fit(self) -> None:
         try:
@@ -274,7 +273,7 @@ class LcvCLI(LightningCLI):
             print(self.fit_summary())
 
     def _test_after_fit(self) -> None:
-        """Test each evaluated weights; their metrics go to the fit's event file as ``test/<weights>/*``."""
+        """Test each evaluated weights; their metrics go to the fit's event file as ``whole_run/test_<weights>_*``."""
         if self.trainer.interrupted or not self.config["fit"].get("test_after_fit", True):
             return
         module = self.model
