@@ -226,3 +226,27 @@ def test_bf16_mixed_compiles_with_no_graph_break():
     assert stats.graphs >= 2 and stats.graph_breaks == 0 and not stats.fell_back, stats.break_reasons
     assert all("grad_mode" in r for r in stats.recompile_reasons), stats.recompile_reasons
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+# ------------------------------------------------------------------------------------------- fused blocks
+def test_a_tiny_hf_resnet_has_every_batch_norm_fused_with_its_conv(monkeypatch):
+    """Every BatchNorm of HF's ResNet sits in a ResNetConvLayer or ResNetShortCut: all fuse as conv_bn_act,
+    and the rewritten model computes what it did (the ops' PyTorch references; the kernels are tested in
+    tests/kernels)."""
+    from lightning_plugin import KNOWN_KERNELS
+    from lightning_plugin.kernel_choice.substitution import apply_substitutions, planned_norms
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = create_model("hf:resnet-18", num_classes=3, **TINY["resnet-18"]).eval()
+    eager = copy.deepcopy(model)
+    report = apply_substitutions(model, frozenset(KNOWN_KERNELS))
+    paths = {r.path for r in report.replacements}
+    kinds = sorted({type(m).__name__ for p, m in model.named_modules() if p in paths})
+    modes = planned_norms(model)
+    bns = [p for p, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 6 and all(modes.get(p) == "conv_bn_act" for p in bns), (modes, report.summary())
+    assert kinds == ["ResNetConvLayer", "ResNetShortCut"], report.summary()
+    x = torch.randn(2, 3, 16, 16)
+    atol, rtol = tolerance("norm", torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), eager(x), atol=atol, rtol=rtol)
