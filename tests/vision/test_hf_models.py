@@ -20,10 +20,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from import_layers import imports
 from lcv_kernels.tolerances import tolerance
 from lcv_vision.models import create_model
 from lcv_vision.module import ClassificationModule
 from lightning_plugin import CompiledStrategy
+from photo_folder import CLASSES, write_photo_folder
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is in the hf and dev extras"
@@ -134,9 +136,6 @@ def test_unknown_config_fields_and_pretrained_are_refused():
 
 
 def test_nothing_imports_transformers_unless_an_hf_model_is_built(monkeypatch):
-    sys.path.insert(0, str(REPO / "tests"))
-    from import_layers import imports
-
     found = [i for i in imports(REPO) if i.imported.split(".")[0] in ("transformers", "huggingface_hub")]
     assert [i for i in found if i.module_level] == []
     assert any(i.importer == "lcv_vision.models.hf" for i in found)  # the checker sees the lazy ones
@@ -250,3 +249,22 @@ def test_a_tiny_hf_resnet_has_every_batch_norm_fused_with_its_conv(monkeypatch):
     atol, rtol = tolerance("norm", torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model(x), eager(x), atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------------- lcv fit
+def test_lcv_builds_a_saved_hf_model_for_a_recipe_of_another_architecture(tmp_path):
+    """``lcv fit --recipe imagefolder-small --model.model hf:<dir>``: the recipe's airbench ``widths`` and
+    whitening layer are left behind (not given on the command line); the head has the folder's classes."""
+    pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse")
+    from lcv_vision.cli import LcvCLI
+    from lcv_vision.recipes import get_recipe
+
+    photos = write_photo_folder(tmp_path / "photos")
+    create_model("hf:resnet-18", num_classes=5, **TINY["resnet-18"]).save_pretrained(tmp_path / "saved")
+    recipe = get_recipe("imagefolder-small")
+    args = ["--model.model", f"hf:{tmp_path / 'saved'}", "--data.root", str(photos)]
+    cli = LcvCLI(recipe, gpu=False, run=False, args=[*args, "--model.lr", "0.02"])
+    assert recipe.model_kwargs and recipe.whitening_images  # what must not reach the HF model
+    hp = cli.model.hparams
+    assert hp.model_kwargs is None and hp.whitening_images == 0 and hp.lr == 0.02
+    assert cli.model.model.config.num_labels == len(CLASSES)
