@@ -165,8 +165,11 @@ class _Data(L.LightningDataModule):
         return DataLoader(TensorDataset(self.images[:4], self.targets[:4]), batch_size=4)
 
 
-def _fit(module: ClassificationModule, strategy: object, precision: str = "32-true") -> None:
+def _fit(
+    module: ClassificationModule, strategy: object, precision: str = "32-true", **kwargs: object
+) -> None:
     trainer = L.Trainer(
+        **kwargs,
         strategy=strategy,
         precision=precision,
         accelerator="cpu",
@@ -216,14 +219,15 @@ def test_trains_compiled_with_no_graph_break_and_the_weights_of_eager(name):
 
 
 def test_bf16_mixed_compiles_with_no_graph_break():
-    """Autocast regions are traced too (on the CPU, bf16 weights are not compared: eager and compiled round
-    differently, and a tolerance wide enough for that would not see a wrong update)."""
+    """Autocast regions are traced too (training only, to keep it short; on the CPU, bf16 weights are not
+    compared: eager and compiled round differently, and a tolerance wide enough for that would not see a wrong
+    update)."""
     module = ClassificationModule(model="hf:resnet-18", num_classes=3, model_kwargs=TINY["resnet-18"], lr=0.1)
     strategy = CompiledStrategy(backend="aot_eager", compile="always")
-    _fit(module, strategy, precision="bf16-mixed")
+    _fit(module, strategy, precision="bf16-mixed", limit_val_batches=0)
     stats = strategy.compile_stats
-    assert stats.graphs >= 2 and stats.graph_breaks == 0 and not stats.fell_back, stats.break_reasons
-    assert all("grad_mode" in r for r in stats.recompile_reasons), stats.recompile_reasons
+    assert stats.graphs == 1 and stats.graph_breaks == 0 and not stats.fell_back, stats.break_reasons
+    assert stats.recompiles == 0, stats.recompile_reasons
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
