@@ -19,6 +19,11 @@ the first left behind (warm).
     python benchmarks/strategy_overhead.py                               # all workloads (~10 min on 2 cores)
     python benchmarks/strategy_overhead.py --workloads resnet18,vit_tiny --sides eager,compiled,untuned
     python benchmarks/strategy_overhead.py --no-compile-time --repeats 5
+    python benchmarks/strategy_overhead.py --workloads hf_vit_tiny,hf_convnext_tiny --tag hf   # needs transformers
+
+``hf_vit_tiny`` and ``hf_convnext_tiny`` are Hugging Face ``transformers`` classifiers built from configs
+(``hf:vit-tiny`` with 4-pixel patches for 32 px images, as ``vit_tiny``; ``hf:convnext-tiny``, the full
+ConvNeXt-T, at 32 px) through :mod:`lcv_vision.models.hf`, so they train as ``--model.model hf:...`` does.
 """
 
 from __future__ import annotations
@@ -119,6 +124,15 @@ def _vit_tiny() -> nn.Module:
     return create_model("vit_tiny_patch4_32", num_classes=10)
 
 
+def _hf(name: str, **config: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from lcv_vision.models import create_model
+
+        return create_model(f"hf:{name}", num_classes=10, **config)
+
+    return build
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -126,6 +140,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("resnet18", _torchvision("resnet18"), batch=32, size=64),
         Workload("mobilenet_v3_small", _torchvision("mobilenet_v3_small"), batch=32, size=64),
         Workload("vit_tiny", _vit_tiny, batch=32, size=32),
+        Workload("hf_vit_tiny", _hf("vit-tiny", image_size=32, patch_size=4), batch=32, size=32),
+        Workload("hf_convnext_tiny", _hf("convnext-tiny"), batch=32, size=32),
     )
 }
 RECIPE_WORKLOAD = "digits-small"
@@ -290,6 +306,9 @@ def main() -> None:
         default="inductor",
         help="torch.compile backend ('eager' in dry runs: exercises the code, compiles nothing)",
     )
+    parser.add_argument(
+        "--tag", default="", help="appended to the results file name (strategy_overhead-<device>-<tag>.json)"
+    )
     parser.add_argument("--first-step-only", metavar="WORKLOAD", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ[BACKEND_ENV] = args.compile_backend
@@ -334,7 +353,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "per_repeat"}, default=str), flush=True)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = write_results(f"strategy_overhead-{device}", {"args": vars(args), "results": rows})
+    name = f"strategy_overhead-{device}" + (f"-{args.tag}" if args.tag else "")
+    path = write_results(name, {"args": vars(args), "results": rows})
     print(f"results written to {path}")
     columns = sorted({k for r in rows for k in r if k != "per_repeat"}, key=lambda k: (k != "workload", k))
     print_table(rows, columns)

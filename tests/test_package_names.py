@@ -6,6 +6,7 @@ the repository root, and an installed ``kernels``/``vision`` package of ours wou
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ BOTH = (
     "import kernels, lcv_kernels, lightning_plugin, lcv_vision.cli; "
     "print(kernels.__file__); print(lcv_kernels.__file__); print(hasattr(kernels, 'kernelize'))"
 )
+# transformers 5 imports Hugging Face's `kernels` from this module; it failed where a `kernels` of ours came first.
+TRANSFORMERS = "; import transformers, transformers.integrations.hub_kernels; print(transformers.__version__)"
 
 
 @pytest.mark.parametrize("folder", ["kernels", "vision"])
@@ -43,10 +46,15 @@ def test_no_import_package_is_named_kernels_or_vision():
 def test_hugging_faces_kernels_and_ours_import_together(where, tmp_path):
     """``python -c`` puts the working folder first on ``sys.path``, as ``python -m pytest`` from the root does."""
     pytest.importorskip("kernels", reason="Hugging Face's kernels is in the dev extra")
+    with_transformers = importlib.util.find_spec("transformers") is not None  # in the dev and hf extras
     cwd = ROOT if where == "repository root" else tmp_path
-    proc = subprocess.run([sys.executable, "-c", BOTH], cwd=cwd, capture_output=True, text=True, check=False)
+    code = BOTH + (TRANSFORMERS if with_transformers else "")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=False, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
-    theirs, ours, has_api = proc.stdout.split()
+    theirs, ours, has_api, *version = proc.stdout.split()
+    assert len(version) == int(with_transformers), proc.stdout  # `import transformers` ran after ours
     assert "site-packages" in theirs and not Path(theirs).is_relative_to(ROOT / "kernels"), theirs
     assert Path(ours) == ROOT / "kernels" / "lcv_kernels" / "__init__.py"
     assert has_api == "True"  # Hugging Face's module, not a folder of ours seen as a namespace package

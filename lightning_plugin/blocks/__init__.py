@@ -9,11 +9,16 @@ class's forward runs a chain.
 ``lightning_plugin.kernel_choice.substitution`` plans each chain of a registered block (a kernel, or eager with
 the reason) and installs the restated forward on the instance; ``nn.Sequential`` needs no registration.
 
-Whoever owns a block registers it next to its class (``lcv_vision.models.resnet`` does); torchvision's and timm's
-blocks are registered here by class path, so neither library is imported (``_torchvision``, ``_timm``).
+Whoever owns a block registers it next to its class (``lcv_vision.models.resnet`` does); torchvision's, timm's and
+Hugging Face transformers' blocks are registered here by class path, so none of those libraries is imported
+(``_torchvision``, ``_timm``, ``_transformers``).
 """
 
-from lightning_plugin.blocks import _timm, _torchvision  # noqa: F401  (the built-in specs, by class path)
+from lightning_plugin.blocks import (  # noqa: F401  (the built-in specs, by class path)
+    _timm,
+    _torchvision,
+    _transformers,
+)
 from lightning_plugin.blocks._registry import (
     NORM_KERNELS,
     BlockSpec,

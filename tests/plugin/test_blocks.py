@@ -124,12 +124,110 @@ def _drop_path():
     return DropPath(0.3)
 
 
+def _hf(module: str, name: str, *args, **kwargs) -> nn.Module:
+    """A class of ``transformers.models.<module>``; a config class name in ``config`` is built from
+    ``config_values`` and passed first."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    models = importlib.import_module(f"transformers.models.{module}")
+    config = kwargs.pop("config", None)
+    if config is not None:
+        args = (
+            getattr(importlib.import_module("transformers"), config)(**kwargs.pop("config_values")),
+            *args,
+        )
+    return getattr(models, name)(*args, **kwargs)
+
+
+_HF_EFFICIENTNET = {"config": "EfficientNetConfig", "config_values": {"width_coefficient": 0.25}}
+_HF_RESNET = ("resnet.modeling_resnet", "ResNetConvLayer")
+
 MODEL_INPUT = (4, 3, 48, 48)
 WHOLE_MODEL: tuple[str, ...] = ()
 #: timm's test_resnet has a deep stem: its conv1 is a Sequential, run as is before the stem's batch_norm_act.
 DEEP_STEM = "bn1: conv stays eager (Sequential is not an nn.Conv2d)"
 
 EXAMPLES: dict[str, list[Example]] = {
+    "transformers.models.resnet.modeling_resnet.ResNetConvLayer": [
+        Example("relu", lambda: _hf(*_HF_RESNET, 3, 4), (2, 3, 6, 6)),
+        Example("stride2_no_act", lambda: _hf(*_HF_RESNET, 4, 4, stride=2, activation=None), (2, 4, 7, 6)),
+        Example(
+            "gelu",
+            lambda: _hf(*_HF_RESNET, 3, 4, activation="gelu"),
+            (2, 3, 5, 5),
+            "GELUActivation cannot be fused",
+            fuses=False,
+        ),
+    ],
+    "transformers.models.resnet.modeling_resnet.ResNetShortCut": [
+        Example("stride2", lambda: _hf("resnet.modeling_resnet", "ResNetShortCut", 4, 8), (2, 4, 7, 7)),
+    ],
+    "transformers.models.convnext.modeling_convnext.ConvNextEmbeddings": [
+        Example(
+            "patchify",
+            lambda: _hf(
+                "convnext.modeling_convnext",
+                "ConvNextEmbeddings",
+                config="ConvNextConfig",
+                config_values={"hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2},
+            ),
+            (2, 3, 16, 12),
+        ),
+    ],
+    "transformers.models.efficientnet.modeling_efficientnet.EfficientNetEmbeddings": [
+        Example(
+            "stem",
+            lambda: _hf("efficientnet.modeling_efficientnet", "EfficientNetEmbeddings", **_HF_EFFICIENTNET),
+            (2, 3, 9, 8),
+        ),
+    ],
+    "transformers.models.efficientnet.modeling_efficientnet.EfficientNetExpansionLayer": [
+        Example(
+            "swish",
+            lambda: _hf(
+                "efficientnet.modeling_efficientnet",
+                "EfficientNetExpansionLayer",
+                4,
+                8,
+                1,
+                **_HF_EFFICIENTNET,
+            ),
+            (2, 4, 5, 5),
+        ),
+    ],
+    "transformers.models.efficientnet.modeling_efficientnet.EfficientNetDepthwiseLayer": [
+        Example(
+            f"stride{stride}",
+            lambda stride=stride: _hf(
+                "efficientnet.modeling_efficientnet",
+                "EfficientNetDepthwiseLayer",
+                4,
+                stride,
+                3,
+                adjust_padding=True,
+                **_HF_EFFICIENTNET,
+            ),
+            (2, 4, 7, 7),
+            "conv stays eager",
+        )
+        for stride in (1, 2)
+    ],
+    "transformers.models.bit.modeling_bit.BitGroupNormActivation": [
+        Example(
+            f"act_{act}",
+            lambda act=act: _hf(
+                "bit.modeling_bit",
+                "BitGroupNormActivation",
+                8,
+                apply_activation=act,
+                config="BitConfig",
+                config_values={"num_groups": 2},
+            ),
+            (2, 8, 3, 5),
+        )
+        for act in (True, False)
+    ],
     "lcv_vision.models.resnet.BasicBlock": [
         Example("identity", lambda: resnet.BasicBlock(4, 4), (2, 4, 5, 5)),
         Example("downsample", lambda: resnet.BasicBlock(4, 8, stride=2), (1, 4, 7, 6)),
@@ -656,7 +754,9 @@ def test_a_norm_activation_module_runs_once_in_its_block_and_undoing_the_block_k
 
 
 def test_builtin_specs_import_neither_timm_nor_vision():
-    """Registering timm's and torchvision's blocks by class path costs nothing where they are unused."""
+    """Registering timm's and torchvision's blocks by class path costs nothing where they are unused (nor do
+    transformers', but Lightning's torchmetrics imports transformers where it is installed:
+    ``tests/vision/test_hf_models.py`` checks our modules' imports instead)."""
     code = (
         "import sys, lightning_plugin.blocks, lightning_plugin.kernel_choice.substitution; "
         "print(sorted(m for m in ('timm', 'lcv_vision') if m in sys.modules))"

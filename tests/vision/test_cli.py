@@ -87,14 +87,19 @@ def test_incompatible_overrides(capsys, tiny_cifar):
         ["fit", "--recipe", "cifar10-airbench", "--data.zip_path", tiny_cifar, "--model.ema_decay", "0.9"],
     )
     assert "invalid settings for recipe 'cifar10-airbench'" in err and "turn on only one" in err
-    err = _error(capsys, ["fit", "--recipe", "digits-small", "--model.model", "resnet18"])
-    assert "model 'resnet18' does not accept model_kwargs={'widths': [32, 64, 64]}" in err
+    # the recipe's airbench kwargs and whitening layer stay with airbench; given ones are the user's and checked
+    cli = LcvCLI(get_recipe("digits-small"), gpu=False, run=False, args=["--model.model", "resnet18"])
+    assert cli.model.hparams.model_kwargs is None and cli.model.hparams.whitening_images == 0
+    widths = ["--model.model", "resnet18", "--model.model_kwargs", '{"widths": [8]}']
+    err = _error(capsys, ["fit", "--recipe", "digits-small", *widths])
+    assert "model 'resnet18' does not accept model_kwargs={'widths': [8]}" in err
     assert "--model.model_kwargs '{}'" in err
     err = _error(
-        capsys, ["fit", "--recipe", "digits-small", "--model.model", "resnet18", "--model.model_kwargs", "{}"]
+        capsys,
+        ["fit", "--recipe", "digits-small", "--model.model", "resnet18", "--model.whitening_images", "9"],
     )
     assert (
-        "whitening_images=1000 needs a model with a whitening layer" in err
+        "whitening_images=9 needs a model with a whitening layer" in err
         and "--model.whitening_images 0" in err
     )
 

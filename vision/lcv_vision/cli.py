@@ -86,6 +86,13 @@ _NOT_SHOWN = (
 
 #: model options that decide the architecture: a checkpoint's weights only fit its own values.
 _ARCHITECTURE_OPTIONS = ("model", "model_kwargs")
+#: recipe model options that belong to the recipe's own architecture, with the module's defaults: a
+#: ``--model.model`` of another architecture starts from these unless they are given too.
+_OWN_ARCHITECTURE_DEFAULTS: dict[str, Any] = {
+    "model_kwargs": None,
+    "whitening_images": 0,
+    "whitening_bias_epochs": None,
+}
 
 
 def _quiet_lightning() -> None:
@@ -214,6 +221,17 @@ class LcvCLI(LightningCLI):
             self.config[subcommand]["model"][key] = value
         self._checkpoint_hparams = hparams
 
+    def _reset_recipe_architecture(self, model: Any) -> None:
+        """``--model.model X`` with another architecture than the recipe's: the recipe's ``model_kwargs`` and
+        whitening layer were for its own (airbench's ``widths`` mean nothing to ``hf:<dir>``), so the ones
+        not given on the command line go back to the module's defaults."""
+        given = self._given_model_options()
+        if "model" not in given or model.get("model") == self.recipe.model:
+            return
+        for key, default in _OWN_ARCHITECTURE_DEFAULTS.items():
+            if key not in given:
+                model[key] = default
+
     def _given_model_options(self) -> set[str]:
         """The ``--model.*`` options set on the command line or in a --config file."""
         keys = {
@@ -238,6 +256,7 @@ class LcvCLI(LightningCLI):
                 f"--config file (main saw {self.recipe.name!r})"
             )
         _check_data(self.recipe, config["data"])
+        self._reset_recipe_architecture(config["model"])
         if self.subcommand == "fit":
             _check_run_length(config["trainer"])
         _drop_disabled_callbacks(config["trainer"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import lightning.pytorch as pl
@@ -46,11 +46,23 @@ class _Whitened(Protocol):
     def init_whitening(self, images: torch.Tensor) -> None: ...
 
 
+@runtime_checkable
+class _DataAdapted(Protocol):
+    """A model that takes the data's normalisation and class names (``hf:`` models map the data's mean/std to
+    their image processor's, :mod:`lcv_vision.models.hf`)."""
+
+    def adapt_to_data(
+        self, mean: Sequence[float], std: Sequence[float], class_names: Sequence[str] | None = None
+    ) -> None: ...
+
+
 class ClassificationModule(pl.LightningModule):
     """Image classification with soft-target cross-entropy, top-1/top-5 metrics, EMA/lookahead and TTA.
 
     Args:
-        model: a name for :func:`lcv_vision.models.create_model` (ours, torchvision's or timm's).
+        model: a name for :func:`lcv_vision.models.create_model` (ours, torchvision's, timm's, or
+            ``hf:<local dir or config>`` for Hugging Face ``transformers``, whose ``model_kwargs`` override its
+            config; it then takes the datamodule's mean/std and class names at setup).
         num_classes: head size; ``None`` takes it from the datamodule's ``num_classes`` at setup.
         model_kwargs: extra architecture arguments (e.g. ``{"widths": [64, 256, 256]}``).
         optimizer: ``"sgd"`` or ``"adamw"``.
@@ -171,8 +183,8 @@ class ClassificationModule(pl.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.model is None:
-            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
             num_classes = getattr(datamodule, "num_classes", None)
             if num_classes is None:
                 raise ValueError(
@@ -180,8 +192,19 @@ class ClassificationModule(pl.LightningModule):
                     "attribute; pass num_classes explicitly"
                 )
             self._build(int(num_classes))
+        self._adapt_to_data(datamodule)
         if stage == "fit" and (self._hp.pretrained or self._hp.weights) and not self._initial_weights_loaded:
             self.load_initial_weights()
+
+    def _adapt_to_data(self, datamodule: Any) -> None:
+        """Tell a model that wants them the datamodule's mean/std and class names (before it is compiled)."""
+        mean, std = getattr(datamodule, "mean", None), getattr(datamodule, "std", None)
+        if mean is None or std is None:
+            return
+        names = getattr(datamodule, "class_names", None)
+        for model in (self.model, None if self.ema is None else self.ema.module):
+            if isinstance(model, _DataAdapted):
+                model.adapt_to_data(mean, std, names)
 
     def load_initial_weights(self) -> str:
         """Load the ``pretrained`` or ``weights`` file weights into the model (and its EMA); returns the
@@ -428,6 +451,8 @@ def _validate(args: dict[str, Any]) -> None:
         raise ValueError(f"ema_decay must be in [0, 1), got {args['ema_decay']!r}")
     if args["ema_every_n_steps"] < 1:
         raise ValueError(f"ema_every_n_steps must be >= 1, got {args['ema_every_n_steps']!r}")
+    if args["pretrained"] and str(args["model"]).startswith("hf:"):
+        raise ValueError("hf: models load their own weights (hf:<saved directory>): drop pretrained=True")
     if args["pretrained"] and args["weights"]:
         raise ValueError("pretrained=True and weights= both give starting weights: choose one")
     if args["num_classes"] is not None and args["num_classes"] < 1:

@@ -40,7 +40,9 @@ def create_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
     """Build model ``name`` with a ``num_classes``-way head.
 
     Our own registry is tried first; an unknown name is then looked up in torchvision
-    (``torchvision.models.get_model(name, weights=None)``) and in timm when it is installed.
+    (``torchvision.models.get_model(name, weights=None)``) and in timm when it is installed. A name
+    ``hf:<local dir or config>`` is a Hugging Face ``transformers`` classifier (:mod:`lcv_vision.models.hf`;
+    ``kwargs`` override its config).
     Keyword arguments whose value is ``None`` are dropped, so a CLI can default every
     option to ``None`` and the architecture's own defaults stay in effect.
 
@@ -50,6 +52,8 @@ def create_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
     if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if name.startswith("hf:"):
+        return _from_transformers(name, num_classes, kwargs)
     if name in _model_entrypoints:
         return _model_entrypoints[name](num_classes=num_classes, **kwargs)
     model = _from_torchvision(name, num_classes, kwargs)
@@ -63,6 +67,18 @@ def create_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
             f"Registered models: {', '.join(list_models())}"
         )
     return model
+
+
+def _from_transformers(name: str, num_classes: int, kwargs: dict[str, Any]) -> nn.Module:
+    try:
+        import transformers  # noqa: F401  (only to say what is missing)
+    except ImportError:
+        raise ValueError(
+            f"model {name!r} needs Hugging Face transformers: pip install 'lightning-compiled-vision[hf]'"
+        ) from None
+    from lcv_vision.models.hf import create_hf_model
+
+    return create_hf_model(name, num_classes, **kwargs)
 
 
 def _from_torchvision(name: str, num_classes: int, kwargs: dict[str, Any]) -> nn.Module | None:
