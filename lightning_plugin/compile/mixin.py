@@ -21,6 +21,7 @@ from lightning_plugin.compile.stats import CompileStats
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
 from lightning_plugin.cpu.memory import retain_freed_memory
+from lightning_plugin.fast_step import install_lean_log, remove_lean_log
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
@@ -134,6 +135,8 @@ class CompiledStrategyMixin(_StrategyBase):
         module = self.lightning_module
         if module is None:
             return
+        if self.compile_config.fast_step:
+            install_lean_log(module)
         if self.compile_config.tunes_cpu(self.root_device):
             retain_freed_memory()
         if self._compiler.config.compile == "never":
@@ -197,6 +200,7 @@ class CompiledStrategyMixin(_StrategyBase):
         )
 
     def _restore_lightning_module(self) -> None:
+        remove_lean_log(self.lightning_module)
         self._decider.end()
         self._save_compile_cache(at_end=True)
         self._compiler.restore(self.lightning_module)

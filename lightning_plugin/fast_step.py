@@ -1,0 +1,200 @@
+"""A lean ``self.log`` for the compiled strategies: the same records for a fraction of Lightning's host time.
+
+Lightning's ``LightningModule.log`` re-validates every call (nested dicts, allowed types, the hook's logging
+levels, the ``training_step`` signature), builds and compares a ``_Metadata`` dataclass, and moves the
+stored ``_ResultMetric`` to the value's device with ``apply_to_collection`` over its whole ``__dict__``
+(deep-copying the metadata on the way). On a 2-core CPU that is ~1 ms of a step's host time for two logged
+values (``benchmarks/step_overhead.py``); on a GPU step of ~8 ms it is more than 10%.
+
+:class:`LeanLog` is installed on the module (an instance attribute shadowing ``LightningModule.log``) while
+the strategy trains. The first call of each distinct ``self.log(...)`` goes through Lightning's own ``log``,
+which validates it and creates the stored ``_ResultMetric``; the calls after that, with the same arguments,
+the same hook, a tensor or the same ``torchmetrics.Metric`` on the device the stored metric is on, update
+that ``_ResultMetric`` directly (``_ResultMetric.forward``: the same reduction, sync and step cache as
+Lightning's path). Anything else (a float, a new key, other arguments, a moved device, a results collection
+replaced by a new loop) takes Lightning's path again. So what ``self.log`` records, the logger's values, the
+progress bar and ``callback_metrics`` (what checkpoint and early-stopping callbacks monitor) are Lightning's
+own.
+
+The shortcut reads private Lightning state (``trainer._results``, ``_ResultMetric``), so it is used only on the
+Lightning versions it was tested on (:data:`TESTED_LIGHTNING`, also pinned in ``pyproject.toml``) and only
+where that state looks as expected; elsewhere the strategy keeps Lightning's ``log`` and says so once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from packaging.version import Version
+
+__all__ = ["TESTED_LIGHTNING", "LeanLog", "install_lean_log", "lean_log_supported", "remove_lean_log"]
+
+#: ``[lowest, first untested)`` Lightning versions whose private logging state :class:`LeanLog` reads.
+TESTED_LIGHTNING = ("2.6.0", "2.7.0")
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+def _private_api_present() -> bool:
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector.result import (
+            _ResultCollection,
+            _ResultMetric,
+        )
+    except ImportError:
+        return False
+    return (
+        callable(getattr(_ResultMetric, "forward", None))
+        and callable(getattr(_ResultCollection, "_extract_batch_size", None))
+        and callable(getattr(_ResultCollection, "log", None))
+    )
+
+
+def lean_log_supported(version: str | None = None) -> tuple[bool, str]:
+    """Whether :class:`LeanLog` may be used with this Lightning (``version``: the installed one), and why not."""
+    version = lightning.__version__ if version is None else version
+    low, high = TESTED_LIGHTNING
+    if not Version(low) <= Version(version) < Version(high):
+        return False, f"Lightning {version} is outside the tested range [{low}, {high})"
+    if not _private_api_present():
+        return False, "Lightning's logging internals (_ResultCollection/_ResultMetric) are not as tested"
+    return True, ""
+
+
+class LeanLog:
+    """Stands in for ``module.log``: Lightning's ``log`` the first time, a direct metric update after."""
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+        self._lightning_log = LightningModule.log.__get__(module)
+        # call signature -> (results collection, its key, the stored _ResultMetric)
+        self._known: dict[tuple[Any, ...], tuple[Any, str, Any]] = {}
+        self.shortcuts: dict[str, int] = {}  # name -> calls that took the direct update
+
+    def __call__(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any | None = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        module = self.module
+        trainer = module._trainer
+        fx = module._current_fx_name
+        results = trainer._results if trainer is not None else None
+        is_tensor = isinstance(value, torch.Tensor)
+        signature: tuple[Any, ...] | None = None
+        if results is not None and fx is not None and not enable_graph and (is_tensor or _is_metric(value)):
+            signature = (
+                fx,
+                name,
+                results.dataloader_idx,
+                prog_bar,
+                logger,
+                on_step,
+                on_epoch,
+                reduce_fx,
+                sync_dist,
+                sync_dist_group,
+                add_dataloader_idx,
+                batch_size,
+                metric_attribute,
+                rank_zero_only,
+                is_tensor,
+            )
+            try:
+                known = self._known.get(signature)
+            except TypeError:  # an unhashable argument (a process group object, say): Lightning's path
+                known, signature = None, None
+            if known is not None and known[0] is results and results.get(known[1]) is known[2]:
+                stored = known[2]
+                if is_tensor:
+                    if (
+                        value.numel() == 1
+                        and value.dtype in _FLOAT_DTYPES
+                        and stored.value.device == value.device
+                    ):
+                        self._update(trainer, results, fx, stored, value.detach().squeeze(), batch_size)
+                        self.shortcuts[name] = self.shortcuts.get(name, 0) + 1
+                        return
+                elif stored.value is value:
+                    self._update(trainer, results, fx, stored, value, batch_size)
+                    self.shortcuts[name] = self.shortcuts.get(name, 0) + 1
+                    return
+        self._lightning_log(
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=logger,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx,
+            enable_graph=enable_graph,
+            sync_dist=sync_dist,
+            sync_dist_group=sync_dist_group,
+            add_dataloader_idx=add_dataloader_idx,
+            batch_size=batch_size,
+            metric_attribute=metric_attribute,
+            rank_zero_only=rank_zero_only,
+        )
+        if signature is not None and fx is not None:
+            self._remember(signature, results, fx, name)
+
+    def _remember(self, signature: tuple[Any, ...], results: Any, fx: str, name: str) -> None:
+        key = f"{fx}.{name}"
+        if results.dataloader_idx is not None and signature[10]:  # add_dataloader_idx
+            key += f".{results.dataloader_idx}"
+        stored = results.get(key)
+        if stored is not None:
+            self._known[signature] = (results, key, stored)
+
+    @staticmethod
+    def _update(trainer: Any, results: Any, fx: str, stored: Any, value: Any, batch_size: int | None) -> None:
+        """What Lightning's ``_ResultCollection.log`` does once the metric exists and sits on the value's device."""
+        connector = trainer._logger_connector
+        if connector.should_reset_tensors(fx):  # the first batch of a new epoch: Lightning resets this hook's
+            results.reset(metrics=False, fx=fx)
+        size = results._extract_batch_size(stored, batch_size, stored.meta)
+        stored.forward(value, size)
+        stored.has_reset = False
+        connector._current_fx = fx
+
+
+def _is_metric(value: Any) -> bool:
+    from torchmetrics import Metric
+
+    return isinstance(value, Metric)
+
+
+def install_lean_log(module: LightningModule) -> bool:
+    """Put a :class:`LeanLog` on ``module`` where Lightning's version allows it; True when installed."""
+    if isinstance(module.__dict__.get("log"), LeanLog):
+        return True
+    if type(module).log is not LightningModule.log:
+        return False  # the module defines its own `log`: leave it
+    ok, why = lean_log_supported()
+    if not ok:
+        rank_zero_info(f"fast_step: using Lightning's own self.log ({why})")
+        return False
+    module.__dict__["log"] = LeanLog(module)
+    return True
+
+
+def remove_lean_log(module: LightningModule | None) -> None:
+    """Undo :func:`install_lean_log` (the module's ``log`` is Lightning's again)."""
+    if module is not None and isinstance(module.__dict__.get("log"), LeanLog):
+        del module.__dict__["log"]
