@@ -31,7 +31,15 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from packaging.version import Version
 
-__all__ = ["TESTED_LIGHTNING", "LeanLog", "install_lean_log", "lean_log_supported", "remove_lean_log"]
+__all__ = [
+    "TESTED_LIGHTNING",
+    "LeanLog",
+    "install_lean_log",
+    "install_lean_progress_metrics",
+    "lean_log_supported",
+    "remove_lean_log",
+    "remove_lean_progress_metrics",
+]
 
 #: ``[lowest, first untested)`` Lightning versions whose private logging state :class:`LeanLog` reads.
 TESTED_LIGHTNING = ("2.6.0", "2.7.0")
@@ -41,6 +49,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 
 def _private_api_present() -> bool:
     try:
+        from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
         from lightning.pytorch.trainer.connectors.logger_connector.result import (
             _ResultCollection,
             _ResultMetric,
@@ -51,6 +60,8 @@ def _private_api_present() -> bool:
         callable(getattr(_ResultMetric, "forward", None))
         and callable(getattr(_ResultCollection, "_extract_batch_size", None))
         and callable(getattr(_ResultCollection, "log", None))
+        and callable(getattr(_LoggerConnector, "on_batch_end", None))
+        and isinstance(getattr(_LoggerConnector, "progress_bar_metrics", None), property)
     )
 
 
@@ -198,3 +209,80 @@ def remove_lean_log(module: LightningModule | None) -> None:
     """Undo :func:`install_lean_log` (the module's ``log`` is Lightning's again)."""
     if module is not None and isinstance(module.__dict__.get("log"), LeanLog):
         del module.__dict__["log"]
+
+
+# ------------------------------------------------------------------------------------------ progress-bar values
+def _lean_connector_class() -> type:
+    """``_LoggerConnector`` with the progress-bar values refreshed at the logging interval while training.
+
+    Lightning converts every ``prog_bar=True`` value to a Python number (``.item()``, a host-device sync) at
+    the end of every training batch, and again each time the progress bar reads ``progress_bar_metrics``.
+    Here, during training, they are converted on the steps that log (``log_every_n_steps``), on the last
+    batch of an epoch and when the run stops; between those the progress bar shows the last converted
+    values. Callback and logger metrics are updated every batch exactly as Lightning does (tensors, no sync).
+    """
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+
+    class LeanLoggerConnector(_LoggerConnector):
+        def _progress_values_due(self) -> bool:
+            trainer = self.trainer
+            if (
+                not trainer.training
+                or self._first_loop_iter is None
+                or getattr(trainer, "fast_dev_run", False)
+            ):
+                return True
+            return bool(
+                self.should_update_logs
+                or trainer.should_stop
+                or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            )
+
+        def on_batch_end(self) -> None:
+            if self._progress_values_due():
+                super().on_batch_end()
+                return
+            results = self.trainer._results
+            shown = [metric.meta for metric in results.values() if metric.meta.prog_bar] if results else []
+            for meta in shown:  # left out of this batch's progress-bar values (no .item())
+                meta.prog_bar = False
+            try:
+                super().on_batch_end()
+            finally:
+                for meta in shown:
+                    meta.prog_bar = True
+
+        @property
+        def progress_bar_metrics(self) -> dict[str, float]:
+            if self.trainer._results and self._progress_values_due():
+                self._progress_bar_metrics.update(self.metrics["pbar"])
+            return self._progress_bar_metrics
+
+    return LeanLoggerConnector
+
+
+_LEAN_CONNECTOR: type | None = None
+
+
+def install_lean_progress_metrics(trainer: Any) -> bool:
+    """Give ``trainer``'s logger connector the lean progress-bar values (see :func:`_lean_connector_class`)
+    where Lightning's version allows it; True when installed."""
+    global _LEAN_CONNECTOR
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None or not lean_log_supported()[0]:
+        return False
+    if _LEAN_CONNECTOR is None:
+        _LEAN_CONNECTOR = _lean_connector_class()
+    if type(connector) is _LEAN_CONNECTOR:
+        return True
+    if type(connector) is not _LEAN_CONNECTOR.__mro__[1]:
+        return False  # someone else's connector subclass: leave it
+    connector.__class__ = _LEAN_CONNECTOR
+    return True
+
+
+def remove_lean_progress_metrics(trainer: Any) -> None:
+    """Undo :func:`install_lean_progress_metrics`."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if _LEAN_CONNECTOR is not None and type(connector) is _LEAN_CONNECTOR:
+        connector.__class__ = _LEAN_CONNECTOR.__mro__[1]

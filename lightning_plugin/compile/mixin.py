@@ -21,7 +21,12 @@ from lightning_plugin.compile.stats import CompileStats
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
 from lightning_plugin.cpu.memory import retain_freed_memory
-from lightning_plugin.fast_step import install_lean_log, remove_lean_log
+from lightning_plugin.fast_step import (
+    install_lean_log,
+    install_lean_progress_metrics,
+    remove_lean_log,
+    remove_lean_progress_metrics,
+)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
@@ -137,6 +142,7 @@ class CompiledStrategyMixin(_StrategyBase):
             return
         if self.compile_config.fast_step:
             install_lean_log(module)
+            install_lean_progress_metrics(getattr(module, "_trainer", None))
         if self.compile_config.tunes_cpu(self.root_device):
             retain_freed_memory()
         if self._compiler.config.compile == "never":
@@ -201,6 +207,7 @@ class CompiledStrategyMixin(_StrategyBase):
 
     def _restore_lightning_module(self) -> None:
         remove_lean_log(self.lightning_module)
+        remove_lean_progress_metrics(getattr(self.lightning_module, "_trainer", None))
         self._decider.end()
         self._save_compile_cache(at_end=True)
         self._compiler.restore(self.lightning_module)
