@@ -286,3 +286,120 @@ def remove_lean_progress_metrics(trainer: Any) -> None:
     connector = getattr(trainer, "_logger_connector", None)
     if _LEAN_CONNECTOR is not None and type(connector) is _LEAN_CONNECTOR:
         connector.__class__ = _LEAN_CONNECTOR.__mro__[1]
+
+
+# ------------------------------------------------------------------------------------------------- hook calls
+#: LightningModule hooks whose base implementation does nothing and returns None (``ModelHooks``): when the
+#: module does not override one, calling it is skipped.
+_NO_OP_MODULE_HOOKS = frozenset(
+    {
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_before_zero_grad",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_validation_batch_start",
+        "on_validation_batch_end",
+    }
+)
+
+_hook_users = 0
+_lightning_hooks: dict[str, Any] = {}
+
+
+def _lean_trainer(trainer: Any) -> bool:
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    return (
+        bool(getattr(trainer.strategy, "lean_hooks", False)) and type(trainer.profiler) is PassThroughProfiler
+    )
+
+
+def _overrides(obj: Any, base: type, hook_name: str) -> bool:
+    return hook_name in obj.__dict__ or getattr(type(obj), hook_name, None) is not getattr(
+        base, hook_name, None
+    )
+
+
+def _call_callback_hooks(
+    trainer: Any, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kwargs: Any
+) -> None:
+    """Lightning's ``call._call_callback_hooks`` without the callbacks that do not define ``hook_name`` (the
+    base ``Callback``'s hooks do nothing) and without the no-op profiler's per-callback context."""
+    if not _lean_trainer(trainer):
+        _lightning_hooks["_call_callback_hooks"](
+            trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kwargs
+        )
+        return
+    from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
+
+    callbacks = [cb for cb in trainer.callbacks if _overrides(cb, Callback, hook_name)]
+    if monitoring_callbacks is True:
+        callbacks = [cb for cb in callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+    elif monitoring_callbacks is False:
+        callbacks = [cb for cb in callbacks if not isinstance(cb, (EarlyStopping, Checkpoint))]
+    if not callbacks:
+        return
+    pl_module = trainer.lightning_module
+    if pl_module:
+        previous = pl_module._current_fx_name
+        pl_module._current_fx_name = hook_name
+    for callback in callbacks:
+        fn = getattr(callback, hook_name)
+        if callable(fn):
+            fn(trainer, trainer.lightning_module, *args, **kwargs)
+    if pl_module:
+        pl_module._current_fx_name = previous
+
+
+def _call_lightning_module_hook(
+    trainer: Any, hook_name: str, *args: Any, pl_module: Any = None, **kwargs: Any
+) -> Any:
+    """Lightning's ``call._call_lightning_module_hook``, skipping the no-op hooks the module leaves alone."""
+    if hook_name in _NO_OP_MODULE_HOOKS and _lean_trainer(trainer):
+        module = pl_module or trainer.lightning_module
+        if module is not None and not _overrides(module, LightningModule, hook_name):
+            return None
+    return _lightning_hooks["_call_lightning_module_hook"](
+        trainer, hook_name, *args, pl_module=pl_module, **kwargs
+    )
+
+
+def install_lean_hook_calls() -> bool:
+    """Route Lightning's hook calls through the lean versions above (for trainers whose strategy sets
+    ``lean_hooks``; every other trainer gets Lightning's own); True when installed. Counted: the last
+    :func:`remove_lean_hook_calls` puts Lightning's functions back."""
+    global _hook_users
+    if not lean_log_supported()[0]:
+        return False
+    from lightning.pytorch.trainer import call
+
+    if not all(
+        callable(getattr(call, name, None))
+        for name in ("_call_callback_hooks", "_call_lightning_module_hook")
+    ):
+        return False
+    if _hook_users == 0:
+        for name, lean in (
+            ("_call_callback_hooks", _call_callback_hooks),
+            ("_call_lightning_module_hook", _call_lightning_module_hook),
+        ):
+            _lightning_hooks[name] = getattr(call, name)
+            setattr(call, name, lean)
+    _hook_users += 1
+    return True
+
+
+def remove_lean_hook_calls() -> None:
+    """Undo one :func:`install_lean_hook_calls`."""
+    global _hook_users
+    if _hook_users == 0:
+        return
+    _hook_users -= 1
+    if _hook_users == 0:
+        from lightning.pytorch.trainer import call
+
+        for name, original in _lightning_hooks.items():
+            setattr(call, name, original)
+        _lightning_hooks.clear()

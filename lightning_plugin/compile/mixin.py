@@ -22,8 +22,10 @@ from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
 from lightning_plugin.cpu.memory import retain_freed_memory
 from lightning_plugin.fast_step import (
+    install_lean_hook_calls,
     install_lean_log,
     install_lean_progress_metrics,
+    remove_lean_hook_calls,
     remove_lean_log,
     remove_lean_progress_metrics,
 )
@@ -105,6 +107,7 @@ class CompiledStrategyMixin(_StrategyBase):
         self._decider = CompileDecider(self._compiler, config.compile)
         self._cache_file: Path | None = None  # where this run writes its compile cache
         self._frames_at_cache_save = 0
+        self._lean_hooks_installed = False
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -143,6 +146,8 @@ class CompiledStrategyMixin(_StrategyBase):
         if self.compile_config.fast_step:
             install_lean_log(module)
             install_lean_progress_metrics(getattr(module, "_trainer", None))
+            if not self._lean_hooks_installed:
+                self._lean_hooks_installed = install_lean_hook_calls()
         if self.compile_config.tunes_cpu(self.root_device):
             retain_freed_memory()
         if self._compiler.config.compile == "never":
@@ -205,7 +210,15 @@ class CompiledStrategyMixin(_StrategyBase):
             is_global_zero=self.is_global_zero,
         )
 
+    @property
+    def lean_hooks(self) -> bool:
+        """Whether Lightning's hook calls skip the hooks nobody defined (``lightning_plugin.fast_step``)."""
+        return self._lean_hooks_installed
+
     def _restore_lightning_module(self) -> None:
+        if self._lean_hooks_installed:
+            remove_lean_hook_calls()
+            self._lean_hooks_installed = False
         remove_lean_log(self.lightning_module)
         remove_lean_progress_metrics(getattr(self.lightning_module, "_trainer", None))
         self._decider.end()

@@ -170,3 +170,71 @@ def test_a_module_with_its_own_log_is_left_alone():
     assert fast_step.install_lean_log(plain) is True and isinstance(plain.__dict__["log"], LeanLog)
     fast_step.remove_lean_log(plain)
     assert "log" not in plain.__dict__
+
+
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_batch_end",
+)
+
+
+class Recorder(L.Callback):
+    """Records each per-step callback hook with the module's ``_current_fx_name`` at that moment."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+
+class RecordingModule(Logging):
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def on_after_backward(self) -> None:  # one module hook overridden, the others left to the base class
+        self.calls.append(("module", "on_after_backward", self._current_fx_name))
+
+
+def _recording_hook(name):
+    def hook(self, trainer, pl_module, *args, **kwargs):
+        self.calls.append(("callback", name, pl_module._current_fx_name))
+
+    return hook
+
+
+for _name in HOOKS:
+    setattr(Recorder, _name, _recording_hook(_name))
+
+
+def _hook_calls(fast: bool, root) -> list:
+    calls: list = []
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=_compiled(fast),
+        max_epochs=1,
+        logger=False,
+        callbacks=[Recorder(calls)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(RecordingModule(calls), _data(10, 1), _data(5, 2))
+    return calls
+
+
+def test_lean_hook_calls_call_the_same_hooks_in_the_same_order(tmp_path):
+    from lightning.pytorch.trainer import call
+
+    before = (call._call_callback_hooks, call._call_lightning_module_hook)
+    fast, lightning_path = _hook_calls(True, tmp_path), _hook_calls(False, tmp_path)
+    assert fast == lightning_path
+    assert ("module", "on_after_backward", "on_after_backward") in fast
+    assert ("callback", "on_before_optimizer_step", "on_before_optimizer_step") in fast
+    assert (call._call_callback_hooks, call._call_lightning_module_hook) == before  # Lightning's again
