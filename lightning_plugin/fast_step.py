@@ -366,6 +366,55 @@ def _call_lightning_module_hook(
     )
 
 
+def _call_strategy_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+    """Lightning's ``call._call_strategy_hook`` without the no-op profiler's context."""
+    if not _lean_trainer(trainer):
+        return _lightning_hooks["_call_strategy_hook"](trainer, hook_name, *args, **kwargs)
+    pl_module = trainer.lightning_module
+    previous = pl_module._current_fx_name
+    pl_module._current_fx_name = hook_name
+    fn = getattr(trainer.strategy, hook_name)
+    if not callable(fn):
+        return None
+    output = fn(*args, **kwargs)
+    pl_module._current_fx_name = previous
+    return output
+
+
+_signature_answers: dict[tuple[Any, ...], bool] = {}
+
+
+def _is_param_in_hook_signature(
+    hook_fx: Any, param: str, explicit: bool = False, min_args: int | None = None
+) -> bool:
+    """Lightning's ``is_param_in_hook_signature``, answered once per function: the training and evaluation
+    loops ask it about ``training_step``/``validation_step`` on every batch (``inspect`` each time)."""
+    original = _lightning_hooks["is_param_in_hook_signature"]
+    key = (getattr(hook_fx, "__func__", hook_fx), hasattr(hook_fx, "__self__"), param, explicit, min_args)
+    try:
+        return _signature_answers[key]
+    except KeyError:
+        answer = bool(original(hook_fx, param, explicit=explicit, min_args=min_args))
+        _signature_answers[key] = answer
+        return answer
+    except TypeError:  # an unhashable callable
+        return bool(original(hook_fx, param, explicit=explicit, min_args=min_args))
+
+
+#: (module, attribute) -> the lean stand-in; Lightning's originals are kept in ``_lightning_hooks``.
+def _replacements() -> list[tuple[Any, str, Any]]:
+    from lightning.pytorch.loops import evaluation_loop, training_epoch_loop
+    from lightning.pytorch.trainer import call
+
+    return [
+        (call, "_call_callback_hooks", _call_callback_hooks),
+        (call, "_call_lightning_module_hook", _call_lightning_module_hook),
+        (call, "_call_strategy_hook", _call_strategy_hook),
+        (training_epoch_loop, "is_param_in_hook_signature", _is_param_in_hook_signature),
+        (evaluation_loop, "is_param_in_hook_signature", _is_param_in_hook_signature),
+    ]
+
+
 def install_lean_hook_calls() -> bool:
     """Route Lightning's hook calls through the lean versions above (for trainers whose strategy sets
     ``lean_hooks``; every other trainer gets Lightning's own); True when installed. Counted: the last
@@ -373,20 +422,13 @@ def install_lean_hook_calls() -> bool:
     global _hook_users
     if not lean_log_supported()[0]:
         return False
-    from lightning.pytorch.trainer import call
-
-    if not all(
-        callable(getattr(call, name, None))
-        for name in ("_call_callback_hooks", "_call_lightning_module_hook")
-    ):
+    replacements = _replacements()
+    if not all(callable(getattr(module, name, None)) for module, name, _ in replacements):
         return False
     if _hook_users == 0:
-        for name, lean in (
-            ("_call_callback_hooks", _call_callback_hooks),
-            ("_call_lightning_module_hook", _call_lightning_module_hook),
-        ):
-            _lightning_hooks[name] = getattr(call, name)
-            setattr(call, name, lean)
+        for module, name, lean in replacements:
+            _lightning_hooks.setdefault(name, getattr(module, name))
+            setattr(module, name, lean)
     _hook_users += 1
     return True
 
@@ -398,8 +440,6 @@ def remove_lean_hook_calls() -> None:
         return
     _hook_users -= 1
     if _hook_users == 0:
-        from lightning.pytorch.trainer import call
-
-        for name, original in _lightning_hooks.items():
-            setattr(call, name, original)
+        for module, name, _ in _replacements():
+            setattr(module, name, _lightning_hooks[name])
         _lightning_hooks.clear()
