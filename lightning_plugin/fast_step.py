@@ -308,12 +308,12 @@ _hook_users = 0
 _lightning_hooks: dict[str, Any] = {}
 
 
-def _lean_trainer(trainer: Any) -> bool:
-    from lightning.pytorch.profilers import PassThroughProfiler
+#: Set in a trainer's ``__dict__`` by :func:`install_lean_hook_calls` (read on every hook call: one dict look-up).
+_LEAN_FLAG = "_lcv_lean_hook_calls"
 
-    return (
-        bool(getattr(trainer.strategy, "lean_hooks", False)) and type(trainer.profiler) is PassThroughProfiler
-    )
+
+def _lean_trainer(trainer: Any) -> bool:
+    return bool(trainer.__dict__.get(_LEAN_FLAG, False))
 
 
 def _overrides(obj: Any, base: type, hook_name: str) -> bool:
@@ -415,11 +415,15 @@ def _replacements() -> list[tuple[Any, str, Any]]:
     ]
 
 
-def install_lean_hook_calls() -> bool:
-    """Route Lightning's hook calls through the lean versions above (for trainers whose strategy sets
-    ``lean_hooks``; every other trainer gets Lightning's own); True when installed. Counted: the last
-    :func:`remove_lean_hook_calls` puts Lightning's functions back."""
+def install_lean_hook_calls(trainer: Any) -> bool:
+    """Route ``trainer``'s hook calls through the lean versions above (every other trainer gets Lightning's
+    own); True when installed. Not with a profiler other than Lightning's no-op one (its records stay
+    complete). Counted: the last :func:`remove_lean_hook_calls` puts Lightning's functions back."""
     global _hook_users
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    if trainer is None or type(getattr(trainer, "profiler", None)) is not PassThroughProfiler:
+        return False
     if not lean_log_supported()[0]:
         return False
     replacements = _replacements()
@@ -430,12 +434,15 @@ def install_lean_hook_calls() -> bool:
             _lightning_hooks.setdefault(name, getattr(module, name))
             setattr(module, name, lean)
     _hook_users += 1
+    trainer.__dict__[_LEAN_FLAG] = True
     return True
 
 
-def remove_lean_hook_calls() -> None:
+def remove_lean_hook_calls(trainer: Any) -> None:
     """Undo one :func:`install_lean_hook_calls`."""
     global _hook_users
+    if trainer is not None:
+        trainer.__dict__.pop(_LEAN_FLAG, None)
     if _hook_users == 0:
         return
     _hook_users -= 1

@@ -147,7 +147,7 @@ class CompiledStrategyMixin(_StrategyBase):
             install_lean_log(module)
             install_lean_progress_metrics(getattr(module, "_trainer", None))
             if not self._lean_hooks_installed:
-                self._lean_hooks_installed = install_lean_hook_calls()
+                self._lean_hooks_installed = install_lean_hook_calls(getattr(module, "_trainer", None))
         if self.compile_config.tunes_cpu(self.root_device):
             retain_freed_memory()
         if self._compiler.config.compile == "never":
@@ -217,7 +217,7 @@ class CompiledStrategyMixin(_StrategyBase):
 
     def _restore_lightning_module(self) -> None:
         if self._lean_hooks_installed:
-            remove_lean_hook_calls()
+            remove_lean_hook_calls(getattr(self.lightning_module, "_trainer", None))
             self._lean_hooks_installed = False
         remove_lean_log(self.lightning_module)
         remove_lean_progress_metrics(getattr(self.lightning_module, "_trainer", None))

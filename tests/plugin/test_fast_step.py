@@ -238,3 +238,28 @@ def test_lean_hook_calls_call_the_same_hooks_in_the_same_order(tmp_path):
     assert ("module", "on_after_backward", "on_after_backward") in fast
     assert ("callback", "on_before_optimizer_step", "on_before_optimizer_step") in fast
     assert (call._call_callback_hooks, call._call_lightning_module_hook) == before  # Lightning's again
+
+
+class LeanHooksSeen(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen = trainer.strategy.lean_hooks
+
+
+@pytest.mark.parametrize("profiler", [None, "simple"])
+def test_a_profiler_keeps_lightnings_hook_calls(profiler, tmp_path):
+    seen = LeanHooksSeen()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        strategy=_compiled(True),
+        max_steps=2,
+        logger=False,
+        profiler=profiler,
+        callbacks=[seen],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Logging(), _data(8, 1))
+    assert seen.seen is (profiler is None)  # a profiler's records stay complete
+    assert not trainer.strategy.lean_hooks and "_lcv_lean_hook_calls" not in trainer.__dict__
