@@ -304,6 +304,9 @@ _NO_OP_MODULE_HOOKS = frozenset(
     }
 )
 
+#: LightningModule hooks whose base implementation returns the batch unchanged (``DataHooks``).
+_IDENTITY_MODULE_HOOKS = frozenset({"on_before_batch_transfer", "on_after_batch_transfer"})
+
 _hook_users = 0
 _lightning_hooks: dict[str, Any] = {}
 
@@ -344,26 +347,46 @@ def _call_callback_hooks(
     pl_module = trainer.lightning_module
     if pl_module:
         previous = pl_module._current_fx_name
-        pl_module._current_fx_name = hook_name
+        _set_fx_name(pl_module, hook_name)
     for callback in callbacks:
         fn = getattr(callback, hook_name)
         if callable(fn):
             fn(trainer, trainer.lightning_module, *args, **kwargs)
     if pl_module:
-        pl_module._current_fx_name = previous
+        _set_fx_name(pl_module, previous)
 
 
 def _call_lightning_module_hook(
     trainer: Any, hook_name: str, *args: Any, pl_module: Any = None, **kwargs: Any
 ) -> Any:
-    """Lightning's ``call._call_lightning_module_hook``, skipping the no-op hooks the module leaves alone."""
-    if hook_name in _NO_OP_MODULE_HOOKS and _lean_trainer(trainer):
-        module = pl_module or trainer.lightning_module
-        if module is not None and not _overrides(module, LightningModule, hook_name):
-            return None
-    return _lightning_hooks["_call_lightning_module_hook"](
-        trainer, hook_name, *args, pl_module=pl_module, **kwargs
-    )
+    """Lightning's ``call._call_lightning_module_hook`` without the no-op profiler's context, skipping the
+    no-op hooks the module leaves alone and passing the batch through the identity hooks it leaves alone."""
+    module = pl_module or trainer.lightning_module
+    if module is None or not _lean_trainer(trainer):
+        return _lightning_hooks["_call_lightning_module_hook"](
+            trainer, hook_name, *args, pl_module=pl_module, **kwargs
+        )
+    if hook_name in _NO_OP_MODULE_HOOKS and not _overrides(module, LightningModule, hook_name):
+        return None
+    if hook_name in _IDENTITY_MODULE_HOOKS and not _overrides(module, LightningModule, hook_name):
+        return args[0] if args else kwargs["batch"]
+    fn = getattr(module, hook_name)
+    if not callable(fn):
+        return None
+    previous = module._current_fx_name
+    _set_fx_name(module, hook_name)
+    output = fn(*args, **kwargs)
+    _set_fx_name(module, previous)
+    return output
+
+
+def _set_fx_name(module: Any, name: str | None) -> None:
+    """``module._current_fx_name = name``; without ``nn.Module.__setattr__``'s parameter/buffer/submodule
+    checks (a string is none of them) where the class keeps ``nn.Module``'s ``__setattr__``."""
+    if getattr(type(module), "__setattr__", None) is torch.nn.Module.__setattr__:
+        object.__setattr__(module, "_current_fx_name", name)
+    else:
+        module._current_fx_name = name
 
 
 def _call_strategy_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -372,12 +395,12 @@ def _call_strategy_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any)
         return _lightning_hooks["_call_strategy_hook"](trainer, hook_name, *args, **kwargs)
     pl_module = trainer.lightning_module
     previous = pl_module._current_fx_name
-    pl_module._current_fx_name = hook_name
+    _set_fx_name(pl_module, hook_name)
     fn = getattr(trainer.strategy, hook_name)
     if not callable(fn):
         return None
     output = fn(*args, **kwargs)
-    pl_module._current_fx_name = previous
+    _set_fx_name(pl_module, previous)
     return output
 
 

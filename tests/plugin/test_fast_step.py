@@ -198,6 +198,10 @@ class RecordingModule(Logging):
     def on_after_backward(self) -> None:  # one module hook overridden, the others left to the base class
         self.calls.append(("module", "on_after_backward", self._current_fx_name))
 
+    def on_after_batch_transfer(self, batch, dataloader_idx):  # an overridden batch hook still runs
+        self.calls.append(("module", "on_after_batch_transfer", self._current_fx_name))
+        return batch
+
 
 def _recording_hook(name):
     def hook(self, trainer, pl_module, *args, **kwargs):
@@ -236,6 +240,7 @@ def test_lean_hook_calls_call_the_same_hooks_in_the_same_order(tmp_path):
     fast, lightning_path = _hook_calls(True, tmp_path), _hook_calls(False, tmp_path)
     assert fast == lightning_path
     assert ("module", "on_after_backward", "on_after_backward") in fast
+    assert ("module", "on_after_batch_transfer", "on_after_batch_transfer") in fast
     assert ("callback", "on_before_optimizer_step", "on_before_optimizer_step") in fast
     assert (call._call_callback_hooks, call._call_lightning_module_hook) == before  # Lightning's again
 
