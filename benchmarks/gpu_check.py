@@ -1,11 +1,12 @@
 """One GPU session's checks in one call, under one deadline, handing over every result as it is measured.
 
 Device time is scarce (15 minutes per issue, machine start included), so this runs everything that needs a
-GPU in a single prepared command, most valuable first: the fused ops against their references, our conv
-against cuDNN and Inductor, the norms against copy bandwidth, training throughput (ResNet-50, airbench94),
-the GPU tests, the loader, the airbench recipe's time to 94% (when the data travelled), compile overhead,
-and max-autotune last. One global deadline (``--budget``, default 7 minutes) bounds the whole run: each step
-gets what is left (at most its own cap), the benchmarks start no case they cannot finish before it
+GPU in a single prepared command, end to end first: the fused ops against their references, the airbench
+recipe's time to 94% through the Trainer and airbench's own code on the same data (when it travelled),
+ResNet-50 training throughput, what the Trainer adds to a step (``step_overhead.py``), the loader, the GPU
+tests, airbench94 throughput and compile overhead; our conv against cuDNN and Inductor, the norms against
+copy bandwidth and max-autotune last. One global deadline (``--budget``, default 7 minutes) bounds the whole
+run: each step gets what is left (at most its own cap), the benchmarks start no case they cannot finish before it
 (``LCV_DEADLINE``), and each measured case is appended at once to one JSON-lines file
 (``LCV_RESULTS_JSONL``). After every step the summary and an archive of the results and logs are written
 again, so a run killed at any moment has handed over everything it measured.
@@ -88,7 +89,8 @@ def cifar_zip() -> str:
 
 
 def steps(data_zip: str | None = None) -> list[Step]:
-    """Every step, most valuable first. ``data_zip``: the CIFAR-10 JPEG zip (default: where it travels)."""
+    """Every step, end to end first (accuracy and time through the Trainer, a training step's overhead), the
+    single-kernel benchmarks last. ``data_zip``: the CIFAR-10 JPEG zip (default: where it travels)."""
     data_zip = data_zip or cifar_zip()
     tiny_train = [
         "--tiny",
@@ -111,43 +113,33 @@ def steps(data_zip: str | None = None) -> list[Step]:
     return [
         Step("correctness", ["benchmarks/op_correctness.py"], 60, ["benchmarks/op_correctness.py", "--tiny"]),
         Step(
-            "conv",
-            ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"],
-            90,
+            "cifar10_time_to_94",
+            ["benchmarks/cifar10_accuracy.py", "--zip", data_zip],
+            75,
             [
-                "benchmarks/conv.py",
-                "--tiny",
-                "--dtype",
-                "fp32",
-                "--compile-backend",
-                "eager",
-                "--layers",
-                "layer1_1x1_reduce",
-                "airbench_g2_conv2",
-                "--warmup",
-                "0",
-                "--repeats",
+                "benchmarks/cifar10_accuracy.py",
+                "--zip",
+                data_zip,
+                "--epochs",
                 "1",
-                "--case-seconds",
-                "1",
+                "--widths",
+                "8",
+                "16",
+                "16",
+                "--batch-size",
+                "16",
             ],
+            needs_file=data_zip,
         ),
         Step(
-            "norms",
-            ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"],
-            30,
-            [
-                "benchmarks/resnet_train.py",
-                "--tiny",
-                "--no-train",
-                "--no-compile",
-                "--warmup",
-                "0",
-                "--repeats",
-                "1",
-                "--case-seconds",
-                "1",
-            ],
+            "airbench_reference",
+            ["benchmarks/airbench_reference.py", "--zip", data_zip],
+            40,
+            None,
+            needs_module="airbench",
+            needs_file=data_zip,
+            dry_run_skip="not in the dry run (airbench's full-width net needs >= 1,024 images); "
+            "tests/benchmarks/test_airbench_reference.py covers it",
         ),
         Step(
             "resnet50_train",
@@ -167,6 +159,38 @@ def steps(data_zip: str | None = None) -> list[Step]:
             ],
             180,
             ["benchmarks/resnet_train.py", *tiny_train, "--variants", "eager", "ours_all", "compile"],
+        ),
+        Step(
+            "step_overhead",
+            ["benchmarks/step_overhead.py", "--steps", "300", "--repeats", "3"],
+            90,
+            None,
+            dry_run_skip="not in the dry run: tests/benchmarks/test_step_overhead.py runs it with a few steps",
+        ),
+        Step(
+            "loader",
+            ["benchmarks/loader.py", "--gpu-only", "--repeats", "5", "--profile"],
+            120,
+            [
+                "benchmarks/loader.py",
+                "--gpu-only",
+                "--device-rows-on",
+                "cpu",
+                "--gpu-cifar-images",
+                "128",
+                "--gpu-rrc-images",
+                "4",
+                "--gpu-cifar-batches",
+                "32",
+                "--gpu-rrc-batches",
+                "2",
+                "--gpu-per-sample-images",
+                "4",
+                "--repeats",
+                "1",
+                "--case-seconds",
+                "1",
+            ],
         ),
         Step(
             "gpu_tests",
@@ -215,50 +239,6 @@ def steps(data_zip: str | None = None) -> list[Step]:
             ],
         ),
         Step(
-            "loader",
-            ["benchmarks/loader.py", "--gpu-only", "--repeats", "5", "--profile"],
-            120,
-            [
-                "benchmarks/loader.py",
-                "--gpu-only",
-                "--device-rows-on",
-                "cpu",
-                "--gpu-cifar-images",
-                "128",
-                "--gpu-rrc-images",
-                "4",
-                "--gpu-cifar-batches",
-                "32",
-                "--gpu-rrc-batches",
-                "2",
-                "--gpu-per-sample-images",
-                "4",
-                "--repeats",
-                "1",
-                "--case-seconds",
-                "1",
-            ],
-        ),
-        Step(
-            "cifar10_time_to_94",
-            ["benchmarks/cifar10_accuracy.py", "--zip", data_zip],
-            75,
-            [
-                "benchmarks/cifar10_accuracy.py",
-                "--zip",
-                data_zip,
-                "--epochs",
-                "1",
-                "--widths",
-                "8",
-                "16",
-                "16",
-                "--batch-size",
-                "16",
-            ],
-            needs_file=data_zip,
-        ),
-        Step(
             "strategy_overhead",
             [
                 "benchmarks/strategy_overhead.py",
@@ -284,14 +264,43 @@ def steps(data_zip: str | None = None) -> list[Step]:
             ],
         ),
         Step(
-            "airbench_reference",
-            ["benchmarks/airbench_reference.py", "--zip", data_zip],
-            40,
-            None,
-            needs_module="airbench",
-            needs_file=data_zip,
-            dry_run_skip="not in the dry run (airbench's full-width net needs >= 1,024 images); "
-            "tests/benchmarks/test_airbench_reference.py covers it",
+            "conv",
+            ["benchmarks/conv.py", "--warmup", "5", "--repeats", "20"],
+            90,
+            [
+                "benchmarks/conv.py",
+                "--tiny",
+                "--dtype",
+                "fp32",
+                "--compile-backend",
+                "eager",
+                "--layers",
+                "layer1_1x1_reduce",
+                "airbench_g2_conv2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--case-seconds",
+                "1",
+            ],
+        ),
+        Step(
+            "norms",
+            ["benchmarks/resnet_train.py", "--no-train", "--warmup", "5", "--repeats", "20"],
+            30,
+            [
+                "benchmarks/resnet_train.py",
+                "--tiny",
+                "--no-train",
+                "--no-compile",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--case-seconds",
+                "1",
+            ],
         ),
         Step(
             "max_autotune",

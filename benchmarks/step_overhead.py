@@ -19,7 +19,7 @@ same point for every side, and no callback of ours in the step. The sides run in
 kept, then the median over repeats. A cProfile of one more fit of each of ``plain`` and ``compiled`` says where
 the difference goes.
 
-The machine this ran on is shared with other jobs (see ``machine.shared`` in the JSON); the sides alternate so
+The CPU this ran on is shared with other jobs (``shared`` in the JSON says so); the sides alternate so
 that the load falls on all of them alike, and medians keep the outliers out.
 
     python benchmarks/step_overhead.py                       # ~2 min on 2 cores
@@ -111,14 +111,19 @@ class StampedLoader:
         return [b - a for a, b in zip(kept, kept[1:], strict=False)]
 
 
-def run_plain(module: TinyModule, compiled_forward: Callable[..., Any], steps: int) -> StampedLoader:
+def run_plain(
+    module: TinyModule, compiled_forward: Callable[..., Any], steps: int, device: str = "cpu"
+) -> StampedLoader:
     """The loop without a framework: what the strategy's step should cost."""
     stamped = StampedLoader(steps)
+    module.to(device)
     optimizer = module.configure_optimizers()
-    for group in optimizer.param_groups:  # the strategy's CPU setting (tune_cpu): the fused step
-        group["fused"] = True
+    if device == "cpu":
+        for group in optimizer.param_groups:  # the strategy's CPU setting (tune_cpu): the fused step
+            group["fused"] = True
     module.train()
     for x, y in stamped.loader():
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss, _ = loss_and_accuracy(compiled_forward(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -147,12 +152,18 @@ def progress_bar_kwargs(bar: str) -> dict[str, Any]:
 
 
 def run_trainer(
-    module: TinyModule, side: str, steps: int, backend: str, root: str, bar: str = "default"
+    module: TinyModule,
+    side: str,
+    steps: int,
+    backend: str,
+    root: str,
+    bar: str = "default",
+    device: str = "cpu",
 ) -> StampedLoader:
     stamped = StampedLoader(steps)
     trainer = L.Trainer(
         default_root_dir=root,
-        accelerator="cpu",
+        accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
         strategy=strategy_for(side, backend),
         max_steps=steps,
@@ -167,8 +178,8 @@ def run_trainer(
 class Sides:
     """One module per side, kept across repeats (the compiled graphs are made once)."""
 
-    def __init__(self, backend: str, root: str, bar: str = "default") -> None:
-        self.backend, self.root, self.bar = backend, root, bar
+    def __init__(self, backend: str, root: str, bar: str = "default", device: str = "cpu") -> None:
+        self.backend, self.root, self.bar, self.device = backend, root, bar, device
         self.modules: dict[str, TinyModule] = {}
         self._plain_forward: Callable[..., Any] | None = None
 
@@ -178,8 +189,32 @@ class Sides:
         if side == "plain":
             if self._plain_forward is None:
                 self._plain_forward = torch.compile(module.forward, backend=self.backend)
-            return run_plain(module, self._plain_forward, steps)
-        return run_trainer(module, side, steps, self.backend, os.path.join(self.root, side), self.bar)
+            return run_plain(module, self._plain_forward, steps, self.device)
+        root = os.path.join(self.root, side)
+        return run_trainer(module, side, steps, self.backend, root, self.bar, self.device)
+
+
+class CudaSyncWarnings:
+    """On CUDA: ``torch.cuda.set_sync_debug_mode("warn")`` around the timed fits, counting the host syncs
+    it reports (the logging steps make some: the logger writes numbers). Nothing on a CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.count = 0
+
+    def __enter__(self) -> CudaSyncWarnings:
+        if self.device == "cuda":
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            self.count += sum("synchroniz" in str(w.message) for w in self._records)
+            self._caught.__exit__(*exc)
 
 
 def profile_side(sides: Sides, side: str, steps: int, top: int) -> tuple[float, str]:
@@ -193,6 +228,10 @@ def profile_side(sides: Sides, side: str, steps: int, top: int) -> tuple[float, 
     total = stats.total_tt  # type: ignore[attr-defined]
     stats.sort_stats("tottime").print_stats(top)
     return total / steps, stream.getvalue()
+
+
+def info_gpu() -> str:
+    return str(machine_info()["gpu"])
 
 
 def lightning_functions(text: str) -> str:
@@ -225,7 +264,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch intra-op threads: 1 keeps a loaded machine's thread wake-ups out of a step this small",
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile fits")
-    parser.add_argument("--out", default="step_overhead-cpu", help="results file name (no .json)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    parser.add_argument(
+        "--out", default=None, help="results file name (no .json; default step_overhead-DEVICE)"
+    )
     args = parser.parse_args(argv)
     sides_run = [s.strip() for s in args.sides.split(",") if s.strip()]
     unknown = sorted(set(sides_run) - set(SIDES))
@@ -239,14 +283,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     root = tempfile.mkdtemp(prefix="lcv-step-overhead-")
     try:
-        sides = Sides(args.backend, root, args.progress_bar)
+        sides = Sides(args.backend, root, args.progress_bar, args.device)
         for side in sides_run:  # compile and warm every side once, untimed
             sides.run(side, min(args.steps, args.warmup + 2))
         per_repeat: dict[str, list[float]] = {side: [] for side in sides_run}
         per_repeat_cpu: dict[str, list[float]] = {side: [] for side in sides_run}
+        sync_warnings = {side: CudaSyncWarnings(args.device) for side in sides_run}
         for _ in range(args.repeats):
             for side in sides_run:
-                stamped = sides.run(side, args.steps)
+                with sync_warnings[side]:
+                    stamped = sides.run(side, args.steps)
                 per_repeat[side].append(1e6 * median(stamped.step_seconds(args.warmup)))
                 per_repeat_cpu[side].append(1e6 * median(stamped.step_seconds(args.warmup, cpu=True)))
         profile: dict[str, Any] = {}
@@ -279,18 +325,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overhead_cpu = median(per_repeat_cpu["compiled"]) - plain_cpu if "compiled" in per_repeat else None
     payload = {
         "args": vars(args),
-        "shared": "the 2-core machine was shared with other agents' jobs while this ran",
-        "gpu": "not measured on GPU",
+        "shared": (
+            "the 2-core machine was shared with other agents' jobs while this ran"
+            if args.device == "cpu"
+            else "a lent GPU machine, not shared"
+        ),
+        "gpu": "not measured on GPU" if args.device == "cpu" else info_gpu(),
         "results": rows,
         "per_repeat_us": per_repeat,
         "per_repeat_cpu_us": per_repeat_cpu,
         "compiled_minus_plain_us": overhead,
         "compiled_minus_plain_cpu_us": overhead_cpu,
         "target_us": 150,
+        "device": args.device,
+        "cuda_syncs_warned_per_fit": (
+            {side: w.count / args.repeats for side, w in sync_warnings.items()}
+            if args.device == "cuda"
+            else None
+        ),
         "profile": profile,
     }
     info = machine_info()
-    path = write_results(args.out, payload)
+    path = write_results(args.out or f"step_overhead-{args.device}", payload)
     print(f"machine: {info['device']}, {info['cpu_count']} cores (shared), torch {info['torch']}")
     print_table(rows, ["side", "us/step", "minus plain us", "ratio", "cpu us/step", "cpu minus plain us"])
     if overhead is not None and overhead_cpu is not None:
