@@ -23,17 +23,24 @@ where that state looks as expected; elsewhere the strategy keeps Lightning's ``l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import lightning
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from packaging.version import Version
+from typing_extensions import override
+
+try:
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+except ImportError:  # pragma: no cover - another Lightning layout: lean_log_supported() says no
+    _LoggerConnector = object  # type: ignore[assignment,misc]
 
 __all__ = [
     "TESTED_LIGHTNING",
     "LeanLog",
+    "LeanLoggerConnector",
     "install_lean_log",
     "install_lean_progress_metrics",
     "lean_log_supported",
@@ -212,7 +219,7 @@ def remove_lean_log(module: LightningModule | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ progress-bar values
-def _lean_connector_class() -> type:
+class LeanLoggerConnector(_LoggerConnector):
     """``_LoggerConnector`` with the progress-bar values refreshed at the logging interval while training.
 
     Lightning converts every ``prog_bar=True`` value to a Python number (``.item()``, a host-device sync) at
@@ -220,72 +227,61 @@ def _lean_connector_class() -> type:
     Here, during training, they are converted on the steps that log (``log_every_n_steps``), on the last
     batch of an epoch and when the run stops; between those the progress bar shows the last converted
     values. Callback and logger metrics are updated every batch exactly as Lightning does (tensors, no sync).
+    A module-level class so that a trainer holding it pickles.
     """
-    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
-    class LeanLoggerConnector(_LoggerConnector):
-        def _progress_values_due(self) -> bool:
-            trainer = self.trainer
-            if (
-                not trainer.training
-                or self._first_loop_iter is None
-                or getattr(trainer, "fast_dev_run", False)
-            ):
-                return True
-            return bool(
-                self.should_update_logs
-                or trainer.should_stop
-                or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-            )
+    def _progress_values_due(self) -> bool:
+        trainer = self.trainer
+        if not trainer.training or self._first_loop_iter is None or getattr(trainer, "fast_dev_run", False):
+            return True
+        return bool(
+            self.should_update_logs
+            or trainer.should_stop
+            or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        )
 
-        def on_batch_end(self) -> None:
-            if self._progress_values_due():
-                super().on_batch_end()
-                return
-            results = self.trainer._results
-            shown = [metric.meta for metric in results.values() if metric.meta.prog_bar] if results else []
-            for meta in shown:  # left out of this batch's progress-bar values (no .item())
-                meta.prog_bar = False
-            try:
-                super().on_batch_end()
-            finally:
-                for meta in shown:
-                    meta.prog_bar = True
+    @override
+    def on_batch_end(self) -> None:
+        if self._progress_values_due():
+            super().on_batch_end()
+            return
+        results = self.trainer._results
+        shown = [metric.meta for metric in results.values() if metric.meta.prog_bar] if results else []
+        for meta in shown:  # left out of this batch's progress-bar values (no .item())
+            meta.prog_bar = False
+        try:
+            super().on_batch_end()
+        finally:
+            for meta in shown:
+                meta.prog_bar = True
 
-        @property
-        def progress_bar_metrics(self) -> dict[str, float]:
-            if self.trainer._results and self._progress_values_due():
-                self._progress_bar_metrics.update(self.metrics["pbar"])
-            return self._progress_bar_metrics
-
-    return LeanLoggerConnector
-
-
-_LEAN_CONNECTOR: type | None = None
+    @property
+    @override
+    def progress_bar_metrics(self) -> dict[str, float]:
+        if self.trainer._results and self._progress_values_due():
+            self._progress_bar_metrics.update(self.metrics["pbar"])
+        return self._progress_bar_metrics
 
 
 def install_lean_progress_metrics(trainer: Any) -> bool:
-    """Give ``trainer``'s logger connector the lean progress-bar values (see :func:`_lean_connector_class`)
+    """Give ``trainer``'s logger connector the lean progress-bar values (:class:`LeanLoggerConnector`)
     where Lightning's version allows it; True when installed."""
-    global _LEAN_CONNECTOR
     connector = getattr(trainer, "_logger_connector", None)
     if connector is None or not lean_log_supported()[0]:
         return False
-    if _LEAN_CONNECTOR is None:
-        _LEAN_CONNECTOR = _lean_connector_class()
-    if type(connector) is _LEAN_CONNECTOR:
+    if type(connector) is LeanLoggerConnector:
         return True
-    if type(connector) is not _LEAN_CONNECTOR.__mro__[1]:
+    if type(connector) is not _LoggerConnector:
         return False  # someone else's connector subclass: leave it
-    connector.__class__ = _LEAN_CONNECTOR
+    connector.__class__ = LeanLoggerConnector
     return True
 
 
 def remove_lean_progress_metrics(trainer: Any) -> None:
     """Undo :func:`install_lean_progress_metrics`."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if _LEAN_CONNECTOR is not None and type(connector) is _LEAN_CONNECTOR:
-        connector.__class__ = _LEAN_CONNECTOR.__mro__[1]
+    connector: Any = getattr(trainer, "_logger_connector", None)
+    if type(connector) is LeanLoggerConnector:
+        cast(Any, connector).__class__ = _LoggerConnector
 
 
 # ------------------------------------------------------------------------------------------------- hook calls
