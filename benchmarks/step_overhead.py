@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 import lightning_plugin  # noqa: E402
-from _common import machine_info, median, print_table, write_results  # noqa: E402
+from _common import machine_info, median, out_of_time, print_table, write_results  # noqa: E402
 
 SIDES = ("plain", "compiled", "lightning", "compiled_lightning_path")
 BATCH = 4
@@ -289,14 +289,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         per_repeat: dict[str, list[float]] = {side: [] for side in sides_run}
         per_repeat_cpu: dict[str, list[float]] = {side: [] for side in sides_run}
         sync_warnings = {side: CudaSyncWarnings(args.device) for side in sides_run}
-        for _ in range(args.repeats):
+        repeat_s = 0.0
+        for repeat in range(args.repeats):
+            if repeat and out_of_time(2 * repeat_s):  # under gpu_check's deadline: keep what was measured
+                print(f"deadline: {repeat} of {args.repeats} repeats measured", flush=True)
+                break
+            started = time.perf_counter()
             for side in sides_run:
                 with sync_warnings[side]:
                     stamped = sides.run(side, args.steps)
                 per_repeat[side].append(1e6 * median(stamped.step_seconds(args.warmup)))
                 per_repeat_cpu[side].append(1e6 * median(stamped.step_seconds(args.warmup, cpu=True)))
+            repeat_s = time.perf_counter() - started
         profile: dict[str, Any] = {}
-        if not args.no_profile:
+        if not args.no_profile and not out_of_time(2 * repeat_s):
             plain_us, _ = profile_side(sides, "plain", args.steps, 0)
             compiled_us, listing = profile_side(sides, "compiled", args.steps, 40)
             profile = {
