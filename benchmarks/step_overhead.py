@@ -146,6 +146,13 @@ def progress_bar_kwargs(bar: str) -> dict[str, Any]:
         return {}
     if bar == "none":
         return {"enable_progress_bar": False}
+    if bar == "lcv":  # the recipes' bar (lcv fit)
+        sys.path.insert(
+            0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision")
+        )
+        from lcv_vision.callbacks import LcvProgressBar
+
+        return {"callbacks": [LcvProgressBar()]}
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     return {"callbacks": [RichProgressBar() if bar == "rich" else TQDMProgressBar()]}
@@ -254,8 +261,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--progress-bar",
         default="default",
-        choices=("default", "rich", "tqdm", "none"),
-        help="the Trainer sides' progress bar: Lightning's default (Rich when installed), or one named",
+        choices=("default", "rich", "tqdm", "lcv", "none"),
+        help="the Trainer sides' progress bar: Lightning's default (Rich when installed), or one named "
+        "(lcv: the recipes' LcvProgressBar)",
     )
     parser.add_argument(
         "--threads",
