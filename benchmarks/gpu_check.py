@@ -1,15 +1,15 @@
 """One GPU session's checks in one call, under one deadline, handing over every result as it is measured.
 
-Device time is scarce (15 minutes per issue, machine start included), so this runs everything that needs a
-GPU in a single prepared command, end to end first: the fused ops against their references; the airbench
-recipe's time to 94% through the Trainer and airbench's own code on the same data, alternating over three
-seeds (when the data travelled); ResNet-50 training throughput (eager, torch.compile, the strategy, its
-kernel choice); the loader; the GPU tests; airbench94 throughput; compile overhead; then the single-kernel
-benchmarks: our conv against cuDNN and Inductor, the norms against copy bandwidth, max-autotune last.
-One global deadline (``--budget``, default 7 minutes) bounds the whole run: each step
-gets what is left (at most its own cap), the benchmarks start no case they cannot finish before it
-(``LCV_DEADLINE``), and each measured case is appended at once to one JSON-lines file
-(``LCV_RESULTS_JSONL``). After every step the summary and an archive of the results and logs are written
+Device time is scarce (15 minutes per issue, machine start included), so this runs everything that needs a GPU
+in a single prepared command, end to end first: the fused ops against their references; the airbench recipe's
+time to 94% through the Trainer and airbench's own code on the same data, alternating over three seeds (when
+the data travelled); ResNet-50 training throughput (eager, torch.compile, the strategy, its kernel choice);
+what the Trainer adds to a step (``step_overhead.py``, host syncs counted); the loader; the GPU tests;
+airbench94 throughput; compile overhead; then the single-kernel benchmarks: our conv against cuDNN and
+Inductor, the norms against copy bandwidth, max-autotune last. One global deadline (``--budget``, default 7
+minutes) bounds the whole run: each step gets what is left (at most its own cap), the benchmarks start no case
+they cannot finish before it (``LCV_DEADLINE``), and each measured case is appended at once to one JSON-lines
+file (``LCV_RESULTS_JSONL``). After every step the summary and an archive of the results and logs are written
 again, so a run killed at any moment has handed over everything it measured.
 
     python benchmarks/gpu_check.py                     # on the GPU machine (use gpu_check.sh there)
@@ -170,6 +170,13 @@ def steps(data_zip: str | None = None) -> list[Step]:
             ],
             180,
             ["benchmarks/resnet_train.py", *tiny_train, "--variants", "eager", "ours_all", "compile"],
+        ),
+        Step(
+            "step_overhead",
+            ["benchmarks/step_overhead.py", "--steps", "300", "--repeats", "3"],
+            90,
+            None,
+            dry_run_skip="not in the dry run: tests/benchmarks/test_step_overhead.py runs it with a few steps",
         ),
         Step(
             "gpu_tests",
@@ -346,7 +353,16 @@ def steps(data_zip: str | None = None) -> list[Step]:
     for seed in ACCURACY_SEEDS:
         for name in ("cifar10_time_to_94", "airbench_reference"):
             paired.append(seeded(by_name[name], seed))
-    order = ["resnet50_train", "loader", "gpu_tests", "airbench_train", "strategy_overhead", "conv", "norms"]
+    order = [
+        "resnet50_train",
+        "step_overhead",
+        "loader",
+        "gpu_tests",
+        "airbench_train",
+        "strategy_overhead",
+        "conv",
+        "norms",
+    ]
     return [by_name["correctness"], *paired, *(by_name[name] for name in order), by_name["max_autotune"]]
 
 

@@ -85,6 +85,11 @@ class CompileConfig:
             LightningModule chose no implementation (:mod:`lightning_plugin.cpu.fused_optimizer`), and glibc
             keeping freed memory for reuse instead of handing it back, which cost page faults on every step
             (:mod:`lightning_plugin.cpu.memory`). ``False`` applies none of it.
+        fast_step: run the training step's bookkeeping on a leaner path than Lightning's (``self.log``
+            stored without its per-call checks and moves, see :mod:`lightning_plugin.fast_step`): the same
+            logged values, callback metrics and logger records for a fraction of the host time.
+            ``False`` keeps Lightning's own path. On a Lightning version outside the tested range the
+            strategy uses Lightning's path and says so once.
     """
 
     backend: str | Callable[..., Any] = "inductor"
@@ -100,6 +105,7 @@ class CompileConfig:
     cache: bool | str | os.PathLike[str] = False
     compile: Literal["auto", "always", "never"] = "auto"
     tune_cpu: bool = True
+    fast_step: bool = True
     _kernel_names: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _fallback_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -123,7 +129,7 @@ class CompileConfig:
             raise ValueError(
                 f"CompileConfig.mode={self.mode!r} needs backend='inductor', got {self.backend!r}"
             )
-        for name in ("fullgraph", "channels_last", "compile_eval", "regional", "tune_cpu"):
+        for name in ("fullgraph", "channels_last", "compile_eval", "regional", "tune_cpu", "fast_step"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):

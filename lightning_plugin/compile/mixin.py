@@ -21,6 +21,14 @@ from lightning_plugin.compile.stats import CompileStats
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
 from lightning_plugin.cpu.memory import retain_freed_memory
+from lightning_plugin.fast_step import (
+    install_lean_hook_calls,
+    install_lean_log,
+    install_lean_progress_metrics,
+    remove_lean_hook_calls,
+    remove_lean_log,
+    remove_lean_progress_metrics,
+)
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
@@ -99,6 +107,7 @@ class CompiledStrategyMixin(_StrategyBase):
         self._decider = CompileDecider(self._compiler, config.compile)
         self._cache_file: Path | None = None  # where this run writes its compile cache
         self._frames_at_cache_save = 0
+        self._lean_hooks_installed = False
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -134,6 +143,11 @@ class CompiledStrategyMixin(_StrategyBase):
         module = self.lightning_module
         if module is None:
             return
+        if self.compile_config.fast_step:
+            install_lean_log(module)
+            install_lean_progress_metrics(getattr(module, "_trainer", None))
+            if not self._lean_hooks_installed:
+                self._lean_hooks_installed = install_lean_hook_calls(getattr(module, "_trainer", None))
         if self.compile_config.tunes_cpu(self.root_device):
             retain_freed_memory()
         if self._compiler.config.compile == "never":
@@ -200,7 +214,17 @@ class CompiledStrategyMixin(_StrategyBase):
             is_global_zero=self.is_global_zero,
         )
 
+    @property
+    def lean_hooks(self) -> bool:
+        """Whether Lightning's hook calls skip the hooks nobody defined (``lightning_plugin.fast_step``)."""
+        return self._lean_hooks_installed
+
     def _restore_lightning_module(self) -> None:
+        if self._lean_hooks_installed:
+            remove_lean_hook_calls(getattr(self.lightning_module, "_trainer", None))
+            self._lean_hooks_installed = False
+        remove_lean_log(self.lightning_module)
+        remove_lean_progress_metrics(getattr(self.lightning_module, "_trainer", None))
         self._decider.end()
         self._save_compile_cache(at_end=True)
         self._compiler.restore(self.lightning_module)

@@ -1,0 +1,270 @@
+"""The strategy's lean ``self.log`` (``lightning_plugin.fast_step``) records what Lightning's records.
+
+Three fits of the same seeded module and data, with the same Trainer: Lightning's default strategy, the
+compiled strategy on Lightning's own logging path (``fast_step=False``) and the compiled strategy's fast
+path. Every logged number (TensorBoard's events), ``callback_metrics`` (what ModelCheckpoint and
+EarlyStopping monitor), ``logged_metrics`` and ``progress_bar_metrics`` must be the same: exactly, since the
+fast path runs Lightning's own reductions on the same tensors.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+import lightning_plugin
+from lightning_plugin import fast_step
+from lightning_plugin.fast_step import LeanLog
+
+pytestmark = pytest.mark.xdist_group("test_fast_step")
+
+
+class Logging(L.LightningModule):
+    """Every kind of ``self.log`` a module uses: step and epoch values, a Metric, a float, max, log_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(6, 3)
+        self.acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=3, average="micro")
+        self.log_kinds: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log_kinds.append(type(self.__dict__.get("log", self.log)).__name__)
+        self.lean = self.__dict__.get("log")
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss_epoch_mean", loss.detach(), on_step=False, on_epoch=True)  # batch-size weighted
+        self.log("train/logit_max", logits.detach().max(), on_step=True, on_epoch=True, reduce_fx="max")
+        self.acc(logits.detach(), y)
+        self.log("train/acc", self.acc, on_step=True, on_epoch=True)
+        self.log("train/lr", 0.5 * batch_idx)  # a float: Lightning's path every time
+        self.log_dict({"train/a": loss.detach() * 2, "train/b": logits.detach().mean()})
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("val/acc", self.val_acc)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data(n: int, seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    data = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return DataLoader(data, batch_size=4)  # n not a multiple of 4: a smaller last batch
+
+
+def _fit(strategy, root) -> tuple[L.Trainer, Logging, dict[str, list[tuple[int, float]]]]:
+    torch.manual_seed(0)
+    module = Logging()
+    checkpoint = ModelCheckpoint(monitor="val/acc", mode="max", dirpath=root / "ckpt")
+    stop = EarlyStopping(monitor="train/loss_epoch_mean", patience=5)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=2,
+        log_every_n_steps=2,
+        logger=TensorBoardLogger(root, name="tb"),
+        callbacks=[checkpoint, stop],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, _data(22, 1), _data(10, 2))
+    events = EventAccumulator(str(root / "tb" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    trainer.checkpoint_score = checkpoint.best_model_score  # type: ignore[attr-defined]
+    return trainer, module, scalars
+
+
+def _compiled(fast: bool):
+    return lightning_plugin.CompiledStrategy(
+        backend="eager", compile="always", tune_cpu=False, fast_step=fast
+    )
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    return {
+        name: _fit(strategy, tmp_path_factory.mktemp(name))
+        for name, strategy in (
+            ("lightning", "auto"),
+            ("lightning_path", _compiled(False)),
+            ("fast", _compiled(True)),
+        )
+    }
+
+
+def _plain(metrics: dict) -> dict:
+    return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+
+
+def test_the_fast_path_ran(fits):
+    _, fast_module, _ = fits["fast"]
+    _, slow_module, _ = fits["lightning_path"]
+    assert set(fast_module.log_kinds) == {"LeanLog"}
+    assert set(slow_module.log_kinds) == {"method"}
+    assert "log" not in fast_module.__dict__  # taken off again when the fit ended
+    # 12 training steps; the first of each hook and key goes through Lightning (the float always does)
+    shortcuts = fast_module.lean.shortcuts
+    assert shortcuts["train/acc"] == shortcuts["train/loss"] == shortcuts["train/a"] == 11
+    assert "train/lr" not in shortcuts and shortcuts["val/acc"] >= 4
+
+
+@pytest.mark.parametrize("reference", ["lightning", "lightning_path"])
+def test_same_records_as_lightning(fits, reference):
+    fast_trainer, _, fast_scalars = fits["fast"]
+    ref_trainer, _, ref_scalars = fits[reference]
+    assert fast_scalars == ref_scalars
+    assert {"train/loss", "train/acc_step", "train/acc_epoch", "train/logit_max_epoch", "val/acc"} <= set(
+        fast_scalars
+    )
+    assert _plain(fast_trainer.callback_metrics) == _plain(ref_trainer.callback_metrics)
+    assert _plain(fast_trainer.logged_metrics) == _plain(ref_trainer.logged_metrics)
+    assert fast_trainer.progress_bar_metrics == ref_trainer.progress_bar_metrics
+    assert fast_trainer.checkpoint_score == ref_trainer.checkpoint_score
+
+
+def test_an_untested_lightning_keeps_lightnings_log(monkeypatch, caplog):
+    monkeypatch.setattr(fast_step.lightning, "__version__", "2.7.0")
+    ok, why = fast_step.lean_log_supported()
+    assert not ok and "2.7.0" in why
+    module = Logging()
+    with caplog.at_level("INFO"):
+        assert fast_step.install_lean_log(module) is False
+    assert "log" not in module.__dict__ and "outside the tested range" in caplog.text
+    monkeypatch.setattr(fast_step, "_private_api_present", lambda: False)
+    monkeypatch.setattr(fast_step.lightning, "__version__", "2.6.6")
+    ok, why = fast_step.lean_log_supported()
+    assert not ok and "internals" in why
+
+
+def test_a_module_with_its_own_log_is_left_alone():
+    class OwnLog(Logging):
+        def log(self, *args, **kwargs):  # type: ignore[override]
+            super().log(*args, **kwargs)
+
+    module = OwnLog()
+    assert fast_step.install_lean_log(module) is False and "log" not in module.__dict__
+    plain = Logging()
+    assert fast_step.install_lean_log(plain) is True and isinstance(plain.__dict__["log"], LeanLog)
+    fast_step.remove_lean_log(plain)
+    assert "log" not in plain.__dict__
+
+
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_batch_end",
+)
+
+
+class Recorder(L.Callback):
+    """Records each per-step callback hook with the module's ``_current_fx_name`` at that moment."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+
+class RecordingModule(Logging):
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def on_after_backward(self) -> None:  # one module hook overridden, the others left to the base class
+        self.calls.append(("module", "on_after_backward", self._current_fx_name))
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):  # an overridden batch hook still runs
+        self.calls.append(("module", "on_after_batch_transfer", self._current_fx_name))
+        return batch
+
+
+def _recording_hook(name):
+    def hook(self, trainer, pl_module, *args, **kwargs):
+        self.calls.append(("callback", name, pl_module._current_fx_name))
+
+    return hook
+
+
+for _name in HOOKS:
+    setattr(Recorder, _name, _recording_hook(_name))
+
+
+def _hook_calls(fast: bool, root) -> list:
+    calls: list = []
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=_compiled(fast),
+        max_epochs=1,
+        logger=False,
+        callbacks=[Recorder(calls)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(RecordingModule(calls), _data(10, 1), _data(5, 2))
+    return calls
+
+
+def test_lean_hook_calls_call_the_same_hooks_in_the_same_order(tmp_path):
+    from lightning.pytorch.trainer import call
+
+    before = (call._call_callback_hooks, call._call_lightning_module_hook)
+    fast, lightning_path = _hook_calls(True, tmp_path), _hook_calls(False, tmp_path)
+    assert fast == lightning_path
+    assert ("module", "on_after_backward", "on_after_backward") in fast
+    assert ("module", "on_after_batch_transfer", "on_after_batch_transfer") in fast
+    assert ("callback", "on_before_optimizer_step", "on_before_optimizer_step") in fast
+    assert (call._call_callback_hooks, call._call_lightning_module_hook) == before  # Lightning's again
+
+
+class LeanHooksSeen(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen = trainer.strategy.lean_hooks
+
+
+@pytest.mark.parametrize("profiler", [None, "simple"])
+def test_a_profiler_keeps_lightnings_hook_calls(profiler, tmp_path):
+    seen = LeanHooksSeen()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        strategy=_compiled(True),
+        max_steps=2,
+        logger=False,
+        profiler=profiler,
+        callbacks=[seen],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Logging(), _data(8, 1))
+    assert seen.seen is (profiler is None)  # a profiler's records stay complete
+    assert not trainer.strategy.lean_hooks and "_lcv_lean_hook_calls" not in trainer.__dict__
