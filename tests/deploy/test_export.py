@@ -251,3 +251,26 @@ def test_a_bf16_package_is_refused_on_a_cpu_without_amx(fp32_package, monkeypatc
     monkeypatch.setattr(package, "amx_supported", lambda: False)
     with pytest.raises(IncompatiblePackageError, match="bf16 for CPUs with AMX, and this CPU has none"):
         check_compatible(bf16, "package 'x'")
+
+
+def test_conv_weights_are_prepacked_and_exact_at_any_batch(digits_checkpoint, fp32_package, digits_test_set):
+    """The package holds every convolution's weight in oneDNN's layout (packed for batch 1 at export, see
+    ``lcv_vision.deploy.prepack``), and gives the eager logits at batch sizes other than the packing hint."""
+    from lcv_vision.deploy.prepack import PACKED_PREFIX
+
+    model = load_package(fp32_package)
+    module = ClassificationModule.load_from_checkpoint(
+        digits_checkpoint, map_location="cpu", weights_only=False
+    )
+    assert module.ema is not None
+    convs = sum(isinstance(m, nn.Conv2d) for m in module.ema.module.modules())
+    packed = [name for name in model._runner.get_constant_fqns() if name.startswith(PACKED_PREFIX)]
+    assert convs > 0 and len(packed) == convs
+    images = digits_test_set[0][:7]
+    reference = eager_logits(digits_checkpoint, images)
+    tolerance = logits_tolerance(module.ema.module) * (1.0 + reference.abs().max().item())
+    start = 0
+    for batch in (1, 2, 4):
+        logits = model(images[start : start + batch])
+        assert (logits - reference[start : start + batch]).abs().max().item() <= tolerance
+        start += batch

@@ -20,6 +20,7 @@ from lcv_vision.deploy.capture import capture
 from lcv_vision.deploy.errors import DeployError, UnsupportedPrecisionError
 from lcv_vision.deploy.host_transform import HostTransform
 from lcv_vision.deploy.package import PackageInfo, amx_supported, cpu_capability
+from lcv_vision.deploy.prepack import PrepackConvWeights
 
 __all__ = [
     "InferenceModel",
@@ -161,6 +162,8 @@ def compile_package(program: torch.export.ExportedProgram, out: str | Path, info
     configs: dict[str, Any] = {"aot_inductor.metadata": info.to_metadata()}
     if info.device == "cpu":
         configs["freezing"] = True  # weights become constants: prepacked oneDNN convs, fused int8 patterns
+        # ... but Inductor packs fp32 conv weights only for a static batch: pack them for our dynamic one.
+        configs["post_grad_custom_pre_pass"] = PrepackConvWeights()
     # Inductor freezes (and lowers int8 patterns to oneDNN) only without autograd.
     with torch.no_grad(), warnings.catch_warnings():
         # Inductor's int8 conv lowering (mkldnn_lowerings.py) builds its scales with torch.tensor(tensor):
