@@ -67,7 +67,6 @@ class ModuleCompiler:
         #: decision, see :mod:`lightning_plugin.compile.decision`); nothing is traced while they are set.
         self.eager_train = False
         self.eager_eval = False
-        self._lazy_backward_before: bool | None = None  # functorch's setting before compile() changed it
 
     @property
     def is_compiled(self) -> bool:
@@ -166,22 +165,12 @@ class ModuleCompiler:
             dynamo_cache.code_of(target.forward) for target in self._targets
         }  # repeated blocks share one
         self.stats.start(reused_frames=sum(dynamo_cache.prepare(code, self._backend) for code in codes))
-        # AOTAutograd normally compiles the backward graph lazily, at the first loss.backward(), outside the
-        # forward's fallback; lowering it with the forward makes a failing backward compile fall back too (and
-        # puts its compile time inside the forward frame's, counted once). Set for the run, not per call: a
-        # config patch around every forward cost ~20 us of host time a step.
-        if self._lazy_backward_before is None:
-            self._lazy_backward_before = functorch_config.force_non_lazy_backward_lowering
-            functorch_config.force_non_lazy_backward_lowering = True
         self._patch_targets(module)
         return True
 
     def restore(self, module: nn.Module | None = None) -> None:
         """Undo :meth:`compile`: original forwards back, substituted kernels reverted."""
         self._unpatch_targets()
-        if self._lazy_backward_before is not None:
-            functorch_config.force_non_lazy_backward_lowering = self._lazy_backward_before
-            self._lazy_backward_before = None
         if self._selection is not None:
             self._selection.close()
         if self._substitution_report is not None and module is not None:
@@ -245,11 +234,18 @@ class ModuleCompiler:
                 return eager(*args, **kwargs)
             watch = stats.watch_frames()
             try:
-                if functorch_config.force_non_lazy_backward_lowering:  # set by compile() for the run
+                # AOTAutograd normally compiles the backward graph lazily, at the first loss.backward(),
+                # outside this try; lowering it now makes a failing backward compile fall back too (and puts
+                # its compile time inside the forward frame's, counted once). Set around this call only, with
+                # plain assignments (a config.patch context cost ~20 us a step): set for a whole fit, it
+                # changed what the user's other torch.compile calls generate, and a fit that never reached
+                # teardown left it set for the rest of the process.
+                lazy_before = functorch_config.force_non_lazy_backward_lowering
+                functorch_config.force_non_lazy_backward_lowering = True
+                try:
                     output = compiled(*args, **kwargs)
-                else:  # another user of the setting turned it off meanwhile
-                    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                        output = compiled(*args, **kwargs)
+                finally:
+                    functorch_config.force_non_lazy_backward_lowering = lazy_before
             except COMPILE_ERRORS as err:
                 stats.collect_frames(watch)
                 if config.fallback == "raise":
