@@ -43,6 +43,27 @@ def _seed_and_reset_dynamo():
 
 
 @pytest.fixture(autouse=True)
+def _deterministic_algorithms_restored(request):
+    """torch's deterministic mode is process-wide and changes what Inductor generates (torch's max-pool
+    backward decomposition steps aside in it); a Trainer(deterministic=...) or a library that turns it on
+    must not leak into the next test of the worker. A test that leaves it changed is named in a warning."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    yield
+    after = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if after != before:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        request.node.warn(
+            pytest.PytestWarning(f"left torch.use_deterministic_algorithms at {after}; restored")
+        )
+
+
+@pytest.fixture(autouse=True)
 def _private_decision_cache(tmp_path_factory, monkeypatch):
     """Each test gets an empty kernel/compile decision cache: a decision one test measured (under whatever
     load) must not make another test train eagerly, nor may tests read or write the user's ``~/.cache``."""
