@@ -8,7 +8,11 @@ References: eager PyTorch (bitwise for the pool, float64 for whole training step
 from __future__ import annotations
 
 import copy
+import json
 import operator
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,33 +124,25 @@ class _ConvPool(nn.Module):
 @pytest.mark.parametrize(
     ("pool", "channels_last", "gathers"),
     [
-        (nn.MaxPool2d(2), True, True),
-        (nn.MaxPool2d(2), False, False),  # NCHW: torch's scatter is the faster one there
-        (nn.MaxPool2d(3, stride=2, padding=1), True, False),  # overlapping windows (ResNet's stem)
+        ("tiles", True, True),
+        ("tiles", False, False),  # NCHW: torch's scatter is the faster one there
+        ("overlapping", True, False),  # overlapping windows (ResNet's stem)
     ],
     ids=["tiles_channels_last", "tiles_nchw", "overlapping"],
 )
-def test_which_pools_take_the_gather(python_wrapper, pool, channels_last, gathers):
-    # torch's scatter decomposition steps aside in deterministic mode (then no scatter either way): the
-    # default, off, is what the choice is about
-    assert not torch.are_deterministic_algorithms_enabled()
-    model = _ConvPool(pool).double()
-    x = torch.randn(2, 3, 15, 15, dtype=torch.float64)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
-    compiled = torch.compile(copy.deepcopy(model), backend=cpu_backend())
-
-    def step(m):
-        leaf = x.clone().requires_grad_()
-        m(leaf).square().sum().backward()
-        return leaf.grad
-
-    code = _backward_code(step, compiled)
-    assert ("scatter" not in code) == gathers
-    want = step(model)
-    tol = reduction_tolerance(torch.float64, network_length(model, x.shape))
-    torch.testing.assert_close(step(compiled), want, atol=bound(tol, want), rtol=0)
+def test_which_pools_take_the_gather(pool, channels_last, gathers, tmp_path):
+    """In a fresh process with an empty Inductor cache: in full CI runs, state left by some earlier test in
+    the worker made torch's scatter decomposition step aside for one case or another (never alone)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_gather_script.py")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    layout = "channels_last" if channels_last else "nchw"
+    done = subprocess.run(
+        [sys.executable, script, pool, layout], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (not report["scatter"]) == gathers
+    assert report["error"] <= report["bound"], report
 
 
 # ------------------------------------------------------------------------------------ bias-only conv backward
