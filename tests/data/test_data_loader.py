@@ -371,3 +371,74 @@ def test_cuda_encoded_loader_decodes_jpegs_with_nvjpeg(tmp_path):
     for (a, ta), (b, tb) in zip(cpu, gpu):
         assert torch.equal(ta, tb.cpu())
         assert (a - b.cpu()).abs().mean() < 2.0  # nvJPEG and libjpeg differ by IDCT rounding only
+
+
+def _take(passes, batches):
+    """The sample ids of the next ``batches`` batches of each rank's pass."""
+    return [_ids(next(p)) for p in passes for _ in range(batches)]
+
+
+def _ranks(x, y, world, **kwargs):
+    return [
+        DeviceLoader(x, y, 4, _ident_pipeline(), rank=r, world_size=world, **kwargs) for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize(
+    "worlds, steps, drop_last",
+    [((1, 2), (7,), False), ((2, 1), (3,), False), ((1, 2, 1), (7, 3), False), ((3, 2), (2,), True)],
+)
+def test_resume_on_another_world_size_uses_each_sample_of_the_epoch_once(worlds, steps, drop_last):
+    """The state saved by rank 0 after `steps` batches, loaded by every rank of the next world size: the
+    samples of that epoch seen before and after each change are the epoch's, each once (at most once with
+    drop_last). Without the remap the 1 -> 2 resume repeats samples and the 2 -> 1 one skips them."""
+    x, y = _data(81)
+    seen: list[torch.Tensor] = []
+    loaders = _ranks(x, y, worlds[0], seed=2, drop_last=drop_last)
+    for loader in loaders:
+        list(loader)  # epoch 0; the check is on epoch 1
+    passes = [iter(loader) for loader in loaders]
+    for world, taken in zip(worlds[1:], steps):
+        seen += _take(passes, taken)
+        state = loaders[0].state_dict()
+        loaders = _ranks(x, y, world, seed=0, drop_last=drop_last)
+        for loader in loaders:
+            loader.load_state_dict(state)
+            assert loader.epoch == 1 and len(loader) >= loader._epoch_length()
+        passes = [iter(loader) for loader in loaders]
+    lengths = {loader._epoch_length() for loader in loaders}
+    assert len(lengths) == 1  # every rank steps as often
+    seen += [_ids(b) for p in passes for b in p]
+    ids = torch.sort(torch.cat(seen)).values
+    if drop_last:
+        assert ids.unique().numel() == ids.numel() and ids.numel() > 81 - 4 * 3 * 2
+    else:
+        assert torch.equal(ids, torch.arange(81))
+    assert all(loader.epoch == 1 for loader in loaders)
+    following = torch.cat([_ids(b) for loader in loaders for b in loader])  # epoch 2: a whole epoch again
+    assert loaders[0].epoch == 2 and loaders[0]._segment_start == 0
+    assert torch.equal(torch.sort(following).values, torch.arange(81)) or drop_last
+
+
+def test_state_saved_at_the_end_of_an_epoch_resumes_at_the_next_one_on_another_world_size():
+    x, y = _data(40)
+    loader = DeviceLoader(x, y, 4, _ident_pipeline(), seed=3)
+    list(loader)
+    resumed = _ranks(x, y, 2, seed=3)
+    for r in resumed:
+        r.load_state_dict(loader.state_dict())
+    ids = torch.cat([_ids(b) for r in resumed for b in r])
+    assert resumed[0].epoch == 1 and torch.equal(torch.sort(ids).values, torch.arange(40))
+
+
+def test_a_loader_whose_length_was_read_refuses_a_longer_resumed_epoch():
+    """Lightning reads len() of a loader given to fit() before loading its state, and keeps that length."""
+    x, y = _data(40)
+    one = DeviceLoader(x, y, 4, _ident_pipeline())
+    it = iter(one)
+    for _ in range(3):
+        next(it)
+    two = DeviceLoader(x, y, 4, _ident_pipeline(), world_size=2)
+    assert len(two) == 5
+    with pytest.raises(ValueError, match="LightningDataModule"):
+        two.load_state_dict(one.state_dict())  # 3 + ceil(14 / 4) = 7 batches > 5

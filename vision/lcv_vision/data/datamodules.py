@@ -146,7 +146,9 @@ class _DeviceDataModule(pl.LightningDataModule):
             decode_threads=max(1, self.num_workers),
             on_corrupt=self.on_corrupt,
         )
-        if len(loader) == 0:  # only drop_last can empty a loader: a run that would train on nothing
+        # only drop_last can empty a loader: a run that would train on nothing. (Not len(loader): a state
+        # loaded after a first len() may not lengthen the epoch, see DeviceLoader.load_state_dict.)
+        if num_batches(len(data), self.batch_size, world, self.uneven, loader.drop_last) == 0:
             per_rank = f" per rank ({world} ranks)" if world > 1 else ""
             raise DatasetError(
                 f"the {split} split has {len(data)} images{per_rank}, fewer than "

@@ -6,6 +6,11 @@ of batch ``b`` are seeded from ``(seed, e)`` and ``(seed, e, rank, b)``, so the 
 is ``(seed, epoch, position)``.  That makes runs reproducible, resumable mid-epoch from a checkpoint, and
 identical on CPU and CUDA (parameters are always drawn on the CPU).
 
+Resuming on another world size: ranks take strided shares of the epoch's order, so after ``p`` batches of
+``B`` on ``W`` ranks exactly the first ``p * B * W`` samples of the order are used. A loader restored with a
+different world size shards the rest of that order over its own ranks (a *segment* of the epoch starting at
+that sample, and at batch ``p`` in the epoch's count): no sample of the epoch is skipped or repeated.
+
 Two kinds of storage:
 
 - a uint8 ``(N, C, H, W)`` tensor: on the device when it fits; otherwise in host memory, each batch gathered
@@ -197,12 +202,32 @@ class DeviceLoader:
         self._targets = targets.to(self.device if self.resident else "cpu")
         self.epoch = 0
         self.position = 0  # batches of the current epoch already handed out
+        # Where the current epoch's segment begins (both 0 unless resumed on another world size): samples of
+        # the epoch's order used before it, and batches of the epoch counted before it.
+        self._segment_start = 0
+        self._segment_base = 0
+        self._length_read: int | None = None  # what __len__ last told a caller (Lightning fixes its limits)
         self._started = False  # whether a pass over `epoch` has begun (the next pass then is a new epoch)
         self._resume = False  # load_state_dict was called: the next pass continues at `position`
 
     # ----------------------------------------------------------------------------------------- sizes
     def __len__(self) -> int:
-        return num_batches(self.num_samples, self.batch_size, self.world_size, self.uneven, self.drop_last)
+        """Batches per epoch and rank. The epoch resumed on another world size may hold more (from 1 rank
+        to 2, say) or fewer; ``len`` is then the larger of that and a whole epoch's count, as Lightning
+        reads it once per ``fit`` and would cut every longer epoch after (a shorter one just ends)."""
+        full = num_batches(self.num_samples, self.batch_size, self.world_size, self.uneven, self.drop_last)
+        self._length_read = max(full, self._epoch_length())
+        return self._length_read
+
+    def _epoch_length(self) -> int:
+        """Batches of the current epoch (in the epoch's count, the resumed segment included)."""
+        return self._segment_length(self._segment_start, self._segment_base, self.world_size)
+
+    def _segment_length(self, start: int, base: int, world_size: int) -> int:
+        """Batches of the epoch (in the epoch's count) when its samples from ``start`` on, counted from
+        batch ``base``, are shared by ``world_size`` ranks."""
+        rest = num_batches(self.num_samples - start, self.batch_size, world_size, self.uneven, self.drop_last)
+        return base + rest
 
     # ----------------------------------------------------------------------------------------- order
     def epoch_indices(self, epoch: int) -> Tensor:
@@ -216,7 +241,22 @@ class DeviceLoader:
 
     def epoch_batches(self, epoch: int) -> list[Tensor]:
         """This rank's batches of sample indices for ``epoch``."""
-        return split_batches(self.epoch_indices(epoch), self.batch_size, len(self), self.drop_last)
+        n = num_batches(self.num_samples, self.batch_size, self.world_size, self.uneven, self.drop_last)
+        return split_batches(self.epoch_indices(epoch), self.batch_size, n, self.drop_last)
+
+    def _segment_batches(self, epoch: int) -> list[Tensor]:
+        """Batches ``_segment_base`` onwards of ``epoch``: this rank's share of the order from
+        ``_segment_start`` on (the whole epoch unless resumed on another world size)."""
+        if self._segment_start == 0 and self._segment_base == 0:
+            return self.epoch_batches(epoch)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        shard = shard_indices(order[self._segment_start :], self.rank, self.world_size, self.uneven)
+        count = self._epoch_length() - self._segment_base
+        return split_batches(shard, self.batch_size, count, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch`` (Lightning calls this before every epoch).
@@ -226,9 +266,13 @@ class DeviceLoader:
         """
         if epoch != self.epoch:
             self.epoch = int(epoch)
-            self.position = 0
+            self._start_epoch()
             self._started = False
             self._resume = False
+
+    def _start_epoch(self) -> None:
+        self.position = 0
+        self._segment_start = self._segment_base = 0
 
     def batch_normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """The pipeline's normalisation: implements
@@ -242,8 +286,9 @@ class DeviceLoader:
         return self
 
     # ----------------------------------------------------------------------------------------- batches
-    def _fetch(self, indices: Tensor) -> Any:
+    def _fetch(self, indices: Tensor | None) -> Any:
         """Start getting the images of one batch: background reads/decodes for encoded files."""
+        assert indices is not None  # only batches before a resumed segment are None, and they are not read
         if self._encoded is None:
             return indices
         decode_on_cpu = self.device.type != "cuda"
@@ -340,15 +385,17 @@ class DeviceLoader:
         # load_state_dict (Lightning also calls iter() once just to check that the loader is iterable).
         if self._resume:
             self._resume = False
-            if self.position >= len(self):  # saved at the very end of an epoch
-                self.epoch, self.position = self.epoch + 1, 0
+            if self.position >= self._epoch_length():  # saved at the very end of an epoch
+                self.epoch += 1
+                self._start_epoch()
         else:
             if self._started:  # a new pass over an epoch already (partly) seen: the next epoch
                 self.epoch += 1
-            self.position = 0
+            self._start_epoch()
         self._started = True
         epoch, start = self.epoch, self.position
-        batches = self.epoch_batches(epoch)
+        # batches[b] is batch b of the epoch's count (None before this segment: never read)
+        batches: list[Tensor | None] = [None] * self._segment_base + list(self._segment_batches(epoch))
         skipped_before = self.skipped
         if self.device.type == "cuda":
             yield from self._iterate_cuda(batches, epoch, start)
@@ -366,7 +413,9 @@ class DeviceLoader:
                 stacklevel=2,
             )
 
-    def _iterate_cuda(self, batches: list[Tensor], epoch: int, start: int) -> Iterator[tuple[Tensor, Tensor]]:
+    def _iterate_cuda(
+        self, batches: list[Tensor | None], epoch: int, start: int
+    ) -> Iterator[tuple[Tensor, Tensor]]:
         """Batch ``b + 1`` is fetched, copied and augmented on a side stream while ``b`` is consumed."""
         main = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -398,11 +447,14 @@ class DeviceLoader:
 
     # ----------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """``(seed, epoch, position)`` is the complete random state (see module docstring)."""
+        """``(seed, epoch, position)`` is the complete random state (see module docstring); the segment
+        fields say where a resumed epoch's current world size took over."""
         return {
             "seed": self.seed,
             "epoch": self.epoch,
             "position": self.position,
+            "segment_start": self._segment_start,
+            "segment_base": self._segment_base,
             "num_samples": self.num_samples,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
@@ -411,8 +463,12 @@ class DeviceLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` was saved: the next pass yields that epoch's remaining batches."""
-        for key in ("num_samples", "world_size", "batch_size", "uneven", "drop_last"):
+        """Continue where ``state`` was saved: the next pass yields that epoch's remaining batches.
+
+        Saved with another world size (same data, batch size, ``uneven`` and ``drop_last``), the samples
+        of the epoch not yet used are shared over this loader's ranks: the epoch then has a different
+        number of batches (``len()`` says how many), each sample still once."""
+        for key in ("num_samples", "batch_size", "uneven", "drop_last"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"DeviceLoader.load_state_dict: checkpoint has {key}={state[key]} but this loader has "
@@ -421,7 +477,28 @@ class DeviceLoader:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        start, base = int(state.get("segment_start", 0)), int(state.get("segment_base", 0))
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world == self.world_size:
+            self._segment_start, self._segment_base = start, base
+        elif self.position >= self._segment_length(start, base, saved_world):  # the epoch was used up
+            self._segment_start = self._segment_base = 0
+            self.position = self._epoch_length()  # the next pass starts the next epoch
+        else:
+            self._remap(start + (self.position - base) * self.batch_size * saved_world, self.position)
         self._resume = True
+
+    def _remap(self, used: int, base: int) -> None:
+        """Share the samples of the epoch's order from ``used`` on over this world size, from batch ``base``."""
+        before = self._length_read
+        self._segment_start, self._segment_base = used, base
+        if before is not None and len(self) > before:
+            raise ValueError(
+                f"DeviceLoader.load_state_dict: the resumed epoch now has {self._epoch_length()} batches "
+                f"(saved on another world size), but {before} were already read from len(); Lightning fixes "
+                "its epoch length before loading a loader passed to fit() directly, and would drop the rest. "
+                "Pass the loader through a LightningDataModule (as lcv_vision's data modules do)"
+            )
 
 
 def _check_targets(targets: Any, n: int) -> Tensor:
