@@ -5,9 +5,15 @@ gradient clipping and an EMA of the weights, so that the test can replay the sam
 one process. A checkpoint (sharded, ``torch.distributed.checkpoint``) is written at the end of each epoch.
 
     fsdp_script.py OUT [--num-nodes N] [--devices D] [--kill-at STEP] [--resume CKPT]
+                   [--then-device-loader OUT2 CKPT2]
 
 ``--kill-at``: rank 1 SIGKILLs itself when that step begins. Rank 0 writes ``OUT/result.json`` (what the
 compiler did, the bytes each rank holds) and ``OUT/final.pt`` (the full state dict after training).
+
+``--then-device-loader``: afterwards, in the same processes (no new launch), resume ``CKPT2`` for the rest
+of its epoch with the project's loader (``DeviceLoader`` through a data module, uncompiled) over uint8
+images whose pixel (0, 0, 0) is the sample's index; each rank writes the indices of every batch it trained
+on to ``OUT2/seen_rank{R}.json`` (the resume on another world size).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning_plugin  # noqa: E402
 from boring import ConvBlock  # noqa: E402
+from lcv_vision.data import Normalize, Pipeline  # noqa: E402
+from lcv_vision.data.datamodules import _DeviceDataModule  # noqa: E402
+from lcv_vision.data.datasets import ImageSet  # noqa: E402
 from lcv_vision.ema import ModelEMA  # noqa: E402
 from lightning_plugin.strategies.fsdp_units import local_bytes, optimizer_state_tensors  # noqa: E402
 
@@ -80,6 +89,36 @@ def make_data() -> TensorDataset:
     )
 
 
+class IdDataModule(_DeviceDataModule):
+    """SAMPLES uint8 images, unshuffled, pixel (0, 0, 0) = the sample's index (the loader state is saved)."""
+
+    def __init__(self) -> None:
+        super().__init__(BATCH, None, None, seed=0, drop_last=False, num_workers=0, dtype=torch.float32)
+
+    def _build(self) -> dict[str, ImageSet]:
+        g = torch.Generator().manual_seed(0)
+        images = torch.randint(0, 256, (SAMPLES, 3, 8, 8), generator=g, dtype=torch.uint8)
+        images[:, 0, 0, 0] = torch.arange(SAMPLES, dtype=torch.uint8)
+        targets = torch.randint(0, 4, (SAMPLES,), generator=g)
+        return {"train": ImageSet(images, targets, [str(c) for c in range(4)])}
+
+    def default_train_pipeline(self) -> Pipeline:  # x -> x, as float
+        return Pipeline([Normalize((0.0,) * 3, (1 / 255,) * 3)], channels_last=False, compile=False)
+
+
+class IdModule(Module):
+    """Records ``(epoch, batch_idx, sample indices)`` of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, int, list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((self.current_epoch, batch_idx, x[:, 0, 0, 0].round().long().tolist()))
+        return super().training_step((x / 255, y), batch_idx)
+
+
 class Probe(Callback):
     """Records the compile counts after step 2, the shard bytes after the first step, and kills on request."""
 
@@ -103,6 +142,33 @@ class Probe(Callback):
             self.info["dtensor_params"] = all(type(p).__name__ == "DTensor" for p in params)
 
 
+def _trainer(out: Path, args: argparse.Namespace, callbacks: list[Callback], **checkpoint: int) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=lightning_plugin.CompiledFSDPStrategy(compile=args.compile, tune_cpu=False),
+        max_epochs=args.max_epochs,
+        gradient_clip_val=CLIP,
+        logger=False,
+        callbacks=[*callbacks, ModelCheckpoint(dirpath=out / "checkpoints", save_top_k=-1, **checkpoint)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=out,
+    )
+
+
+def fit_device_loader(out: Path, resume: str | None, args: argparse.Namespace) -> None:
+    """One epoch of the project's loader from ``resume``, a checkpoint every 10 steps; the batches seen."""
+    torch.manual_seed(0)
+    module = IdModule()
+    args = argparse.Namespace(**{**vars(args), "max_epochs": 1, "compile": "never"})
+    trainer = _trainer(out, args, [], every_n_train_steps=10)
+    trainer.fit(module, datamodule=IdDataModule(), ckpt_path=resume)
+    (out / f"seen_rank{trainer.global_rank}.json").write_text(json.dumps(module.seen))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -110,25 +176,14 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--then-device-loader", nargs=2, metavar=("OUT", "CKPT"), default=None)
     args = parser.parse_args()
+    args.max_epochs, args.compile = EPOCHS, "always"
     out = Path(args.out)
     torch.manual_seed(0)
     module = Module()
     probe = Probe(args.kill_at)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        strategy=lightning_plugin.CompiledFSDPStrategy(compile="always", tune_cpu=False),
-        max_epochs=EPOCHS,
-        gradient_clip_val=CLIP,
-        logger=False,
-        callbacks=[probe, ModelCheckpoint(dirpath=out / "checkpoints", save_top_k=-1, every_n_epochs=1)],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        default_root_dir=out,
-    )
+    trainer = _trainer(out, args, [probe], every_n_epochs=1)
     data = make_data()
     sampler = DistributedSampler(
         data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
@@ -154,6 +209,9 @@ def main() -> None:
             "fell_back": stats.fell_back,
         }
         (out / "result.json").write_text(json.dumps(info, indent=1))
+    if args.then_device_loader:
+        grown_out, grown_from = args.then_device_loader
+        fit_device_loader(Path(grown_out), grown_from, args)
 
 
 if __name__ == "__main__":

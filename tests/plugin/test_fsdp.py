@@ -3,10 +3,11 @@
 Three launches of fsdp_script.py serve every multi-process check (they are the expensive part):
   A. 2 "nodes" x 1 process under ``torchrun --nnodes 2`` on localhost, 20 steps uninterrupted;
   B. 1 node x 2 processes (Lightning's launcher), rank 1 SIGKILLed at step 13, started beside A;
-  C. B resumed from its last sharded checkpoint (step 10) on 1 node x 2 processes.
+  C. B resumed from its last sharded checkpoint (step 10) on 1 node x 2 processes; then, in the same
+     processes, a checkpoint of 1 process (written here while A and B run) resumed mid-epoch on 2.
 A equals the float64 replay (a), holds half of each tensor per rank (b), compiles once (d); C's weights
 equal A's bit for bit, which shows both that a killed run resumes exactly (c) and that 2 nodes x 1 process
-train as 1 node x 2 processes do.
+train as 1 node x 2 processes do. C's second run gives the resume on another world size (1 -> 2 -> 1).
 """
 
 from __future__ import annotations
@@ -59,6 +60,31 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, output[-4000:]
 
 
+def _fit_one_process(out: Path, ckpt_path: Path | None, **trainer_kwargs) -> list:
+    """The ``--device-loader`` training of fsdp_script.py on one plain process (``compiled``, no compile):
+    the (epoch, batch_idx, sample indices) of each batch it trained on."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_plugin
+    from fsdp_script import IdDataModule, IdModule
+
+    torch.manual_seed(0)
+    module = IdModule()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=lightning_plugin.CompiledStrategy(compile="never", tune_cpu=False),
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_top_k=-1, every_n_train_steps=7)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=IdDataModule(), ckpt_path=ckpt_path)
+    return module.seen
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp")
@@ -85,16 +111,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for n in (0, 1)
     ]
     killed = _start([sys.executable, SCRIPT, str(b), "--kill-at", "13"], _env(MASTER_PORT=str(_free_port())))
+    # 1 process -> 2: 7 steps of one process here (while A and B run), continued by C's processes.
+    one, two = root / "one_process", root / "two_processes"
+    one.mkdir()
+    (one / "seen.json").write_text(json.dumps(_fit_one_process(one, None, max_steps=7)))
+    grow = ["--then-device-loader", str(two), str(one / "checkpoints" / "epoch=0-step=7.ckpt")]
     code, output = _finish(killed)
     assert code != 0, "the run whose rank 1 was killed ended normally:\n" + output
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["epoch=0-step=10.ckpt"]
     resumed = _start(  # beside A, which is still running
-        [sys.executable, SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt")],
+        [sys.executable, SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt"), *grow],
         _env(MASTER_PORT=str(_free_port())),
     )
     for code, output in [_finish(p) for p in (*nodes, resumed)]:
         assert code == 0, output
-    return {"two_nodes": a, "resumed": b}
+    return {"two_nodes": a, "resumed": b, "one_process": one, "two_processes": two}
 
 
 def _result(run: Path) -> dict:
@@ -169,6 +200,31 @@ def test_consolidated_checkpoint_resumes_in_one_plain_process(runs, tmp_path):
     )
     trainer.fit(module, DataLoader(make_data(), batch_size=2 * BATCH), ckpt_path=out)
     assert trainer.global_step == 30
+
+
+def test_resume_on_another_world_size_uses_each_sample_of_the_epoch_once(runs, tmp_path):
+    """1 process -> 2 -> 1 within one epoch of the project's loader (80 samples, batch 4, shuffled): 7 steps
+    on one process; 2 processes (compiled_fsdp) resume there and save at step 10; that sharded checkpoint,
+    consolidated, is resumed on one process. The samples trained on before and after each change make up
+    the epoch, each once (without the remap, 1 -> 2 repeats the first 28 samples and 2 -> 1 skips some)."""
+    from lightning_plugin.strategies.fsdp_checkpoint import consolidate_checkpoint
+
+    one = json.loads((runs["one_process"] / "seen.json").read_text())
+    two = [json.loads((runs["two_processes"] / f"seen_rank{r}.json").read_text()) for r in range(2)]
+    full = tmp_path / "step10.ckpt"
+    consolidate_checkpoint(runs["two_processes"] / "checkpoints" / "epoch=0-step=10.ckpt", full)
+    back = _fit_one_process(tmp_path, full, max_epochs=1)
+
+    def samples(*batches: list) -> list[int]:
+        assert all(epoch == 0 for part in batches for epoch, _, _ in part)
+        return sorted(i for part in batches for _, _, ids in part for i in ids)
+
+    assert [b for _, b, _ in one] == list(range(7))
+    assert all([b for _, b, _ in rank] == list(range(7, 14)) for rank in two)  # 52 samples: 7 batches each
+    assert [b for _, b, _ in back] == list(range(10, 17))  # 80 - 28 - 3 * 2 * 4 = 28 samples: 7 batches
+    assert samples(one, *two) == list(range(80))
+    before_save = [[batch for batch in rank if batch[1] < 10] for rank in two]
+    assert samples(one, *before_save, back) == list(range(80))
 
 
 def test_atomic_save_keeps_the_last_checkpoint_when_a_save_fails(tmp_path, monkeypatch):
