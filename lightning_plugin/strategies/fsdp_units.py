@@ -86,6 +86,21 @@ def block_units(root: nn.Module) -> list[nn.Module]:
     return found
 
 
+def make_parameters_contiguous(module: nn.Module) -> int:
+    """Give every parameter the default (row-major) layout, in place; returns how many changed.
+
+    FSDP2 refuses other layouts ("FSDP does not support non-contiguous parameters yet", torch 2.14), and
+    lcv's recipes put their models in channels_last. Convolutions keep computing in channels_last: their
+    output follows the channels_last input batches."""
+    changed = 0
+    with torch.no_grad():
+        for param in module.parameters():
+            if not param.is_contiguous():
+                param.data = param.data.contiguous()
+                changed += 1
+    return changed
+
+
 @dataclass
 class ShardingPlan:
     """What :func:`shard_module` did: the blocks (to compile), the roots, and the units kept in fp32."""
@@ -110,6 +125,7 @@ def shard_module(
     """
     plan = ShardingPlan(blocks=list(blocks))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    make_parameters_contiguous(module)
 
     def shard(unit: nn.Module, reshard: bool, recurse: bool = True) -> None:
         unit_policy = policy

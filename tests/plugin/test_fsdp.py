@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lcv_kernels.tolerances import network_length, tolerance, trajectory_tolerance
+from lcv_kernels.tolerances import network_length, reduction_tolerance, tolerance, trajectory_tolerance
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "fsdp_script.py")
@@ -357,3 +357,61 @@ def test_activation_checkpointing_and_mixed_precision_on_one_rank(precision, one
         atol, rtol = trajectory_tolerance(dtype, network_length(eager.net, (8, 3, 8, 8)), 3)
     for key, expected in eager.state_dict().items():
         torch.testing.assert_close(got[key].to(expected.dtype), expected, atol=atol, rtol=rtol, msg=key)
+
+
+def test_lcv_export_of_a_sharded_checkpoint_gives_the_eager_logits(one_process_group, tmp_path):
+    """A digits-small run of ``lcv fit``'s module on ``compiled_fsdp`` (1 process, 2 steps) saves a sharded
+    folder; consolidated, ``lcv export`` packages it, and the package's logits are those of the trained
+    module gathered in the training process (the folder itself loads to the same network)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lcv_vision.cli import main as lcv
+    from lcv_vision.deploy import load_package
+    from lcv_vision.deploy.export import load_trained
+    from lcv_vision.module import ClassificationModule
+    from lcv_vision.recipes import build
+    from lightning_plugin import CompiledFSDPStrategy
+    from lightning_plugin.strategies.fsdp_checkpoint import consolidate_checkpoint
+
+    L.seed_everything(0, verbose=False)
+    module, datamodule = build("digits-small")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=CompiledFSDPStrategy(compile="never", tune_cpu=False),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    sharded = tmp_path / "sharded.ckpt"
+    trainer.save_checkpoint(sharded)
+    assert (sharded / ".metadata").is_file()
+    gathered = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = tmp_path / "full.ckpt"
+    consolidated = consolidate_checkpoint(sharded, full)["state_dict"]
+    assert set(consolidated) == set(gathered)
+    assert all(torch.equal(consolidated[k], v) for k, v in gathered.items())
+
+    package = tmp_path / "digits.pt2"
+    lcv(["export", str(full), "--out", str(package)])
+    images = datamodule._build()["test"].images[:32]
+    eager = ClassificationModule.load_from_checkpoint(full, map_location="cpu", weights_only=False).eval()
+    assert eager.ema is not None  # the recipe evaluates the EMA weights; the package must too
+    with torch.no_grad():
+        reference = eager((images.float() / 255.0 - 0.5) / 0.5)  # digits-small's normalisation
+    logits = load_package(package)(images)
+    fan_ins = [
+        m.weight[0].numel()
+        for m in eager.ema.module.modules()
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+    ]
+    atol, _ = reduction_tolerance(torch.float32, sum(fan_ins))
+    assert (logits - reference).abs().max().item() <= atol * (1.0 + reference.abs().max().item())
+    assert torch.equal(logits.argmax(1), reference.argmax(1))
+    from_folder = load_trained(sharded).network.state_dict()
+    assert all(torch.equal(v, eager.ema.module.state_dict()[k]) for k, v in from_folder.items())

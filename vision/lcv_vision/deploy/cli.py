@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     export = sub.add_parser("export", help="checkpoint -> one AOTInductor .pt2 (or an .onnx file)")
-    export.add_argument("checkpoint", help="a checkpoint written by `lcv fit`")
+    export.add_argument(
+        "checkpoint", help="a checkpoint written by `lcv fit` (a file, or a compiled_fsdp sharded folder)"
+    )
     export.add_argument("--out", required=True, help="the file to write (model.pt2, or model.onnx)")
     export.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     export.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: PT2E, calibrated")

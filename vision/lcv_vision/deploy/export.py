@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -64,14 +65,26 @@ def load_trained(checkpoint: str | Path, data_root: str | None = None) -> Traine
     ``ClassificationModule.forward`` does in eval mode), in eval mode on the CPU.
 
     The checkpoint is trusted input (it holds pickled hyperparameters, as for Lightning's own loading).
+    A sharded checkpoint folder (``strategy="compiled_fsdp"``) is consolidated first, in a temporary file.
     ``data_root`` replaces the data set's folder/zip saved in the checkpoint (for the class names of
     ImageFolder data and for int8 calibration)."""
+    from lightning_plugin.strategies.fsdp_checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+
+    path = Path(checkpoint)
+    if path.is_dir() and is_sharded_checkpoint(path):
+        with tempfile.TemporaryDirectory() as tmp:
+            consolidated = Path(tmp) / "consolidated.ckpt"
+            consolidate_checkpoint(path, consolidated)
+            return load_trained(consolidated, data_root)
+    if not path.is_file():
+        raise DeployError(f"checkpoint {str(path)!r} does not exist")
+    return _load_trained_file(path, data_root)
+
+
+def _load_trained_file(path: Path, data_root: str | None) -> TrainedModel:
     from lcv_vision.module import ClassificationModule
     from lcv_vision.recipes import DATAMODULES, build_datamodule, get_recipe
 
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise DeployError(f"checkpoint {str(path)!r} does not exist")
     saved = torch.load(path, map_location="cpu", weights_only=False)
     hparams = saved.get("hyper_parameters", {})
     if not hparams.get("recipe"):

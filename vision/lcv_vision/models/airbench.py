@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lcv_vision.models._registry import register_model
 from lightning_plugin.blocks import Chain, register_block, run_chain
@@ -106,8 +107,15 @@ class AirbenchNet(nn.Module):
 
     @torch.no_grad()
     def init_whitening(self, images: torch.Tensor, eps: float = 5e-4) -> None:
-        """Set the frozen whitening filters from (normalised) training ``images`` (N, C, H, W)."""
-        self.whiten.weight.copy_(whitening_weights(images.to(self.whiten.weight), eps=eps))
+        """Set the frozen whitening filters from (normalised) training ``images`` (N, C, H, W).
+
+        Under FSDP (``compiled_fsdp``) the filter is a DTensor shard: every rank computes the same full
+        filter (the images are the same seeded sample on every rank) and keeps its shard of it."""
+        weight = self.whiten.weight
+        full = whitening_weights(images.to(device=weight.device, dtype=weight.dtype), eps=eps)
+        if isinstance(weight, DTensor):
+            full = distribute_tensor(full, weight.device_mesh, weight.placements)
+        weight.copy_(full)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act(self.whiten(x))
