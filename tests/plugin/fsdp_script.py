@@ -193,6 +193,8 @@ def main() -> None:
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     bytes_per_rank = [None] * trainer.world_size
     dist.all_gather_object(bytes_per_rank, [probe.info.get("param_bytes"), probe.info.get("optimizer_bytes")])
+    node_ranks = [None] * trainer.world_size
+    dist.all_gather_object(node_ranks, trainer.node_rank)
     if trainer.global_rank == 0:
         torch.save({k: v.clone() for k, v in state.items()}, out / "final.pt")
         plan = trainer.strategy.sharding_plan
@@ -200,6 +202,8 @@ def main() -> None:
             **probe.info,
             "bytes_per_rank": bytes_per_rank,
             "world_size": trainer.world_size,
+            "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+            "node_ranks": node_ranks,
             "steps": trainer.global_step,
             "graphs": stats.graphs,
             "graph_breaks": stats.graph_breaks,

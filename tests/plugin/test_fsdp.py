@@ -3,11 +3,13 @@
 Three launches of fsdp_script.py serve every multi-process check (they are the expensive part):
   A. 2 "nodes" x 1 process under ``torchrun --nnodes 2`` on localhost, 20 steps uninterrupted;
   B. 1 node x 2 processes (Lightning's launcher), rank 1 SIGKILLed at step 13, started beside A;
-  C. B resumed from its last sharded checkpoint (step 10) on 1 node x 2 processes; then, in the same
-     processes, a checkpoint of 1 process (written here while A and B run) resumed mid-epoch on 2.
+  C. B resumed from its last sharded checkpoint (step 10) on 2 SLURM "nodes" x 1 task (the SLURM_* variables
+     srun sets, on 2 local processes); then, in the same processes, a checkpoint of 1 process (written here
+     while A and B run) resumed mid-epoch on 2.
 A equals the float64 replay (a), holds half of each tensor per rank (b), compiles once (d); C's weights
-equal A's bit for bit, which shows both that a killed run resumes exactly (c) and that 2 nodes x 1 process
-train as 1 node x 2 processes do. C's second run gives the resume on another world size (1 -> 2 -> 1).
+equal A's bit for bit, which shows that a killed run resumes exactly (c), that 2 nodes x 1 process train as
+1 node x 2 processes do (B's first 10 steps), and that Lightning's SLURM environment runs it. C's second run
+gives the resume on another world size (1 -> 2 -> 1).
 """
 
 from __future__ import annotations
@@ -43,8 +45,39 @@ def _env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK"):
         env.pop(name, None)
+    for name in [n for n in env if n.startswith("SLURM_")]:  # a test run inside a SLURM job
+        env.pop(name)
     env.update(extra)
     return env
+
+
+def _slurm_job_id() -> str:
+    """A job id whose port (Lightning's SLURMEnvironment: 15000 + its last 4 digits) is free here."""
+    for _ in range(100):
+        job = str(int.from_bytes(os.urandom(2), "little") % 10000).zfill(4)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 15000 + int(job)))
+            except OSError:
+                continue
+        return "7" + job
+    raise RuntimeError("no free port in 15000..24999")
+
+
+def _srun_env(job: str, node: int) -> dict[str, str]:
+    """What ``srun --nodes 2 --ntasks-per-node 1`` sets for the task on ``node`` (the variables Lightning's
+    SLURMEnvironment reads); the address of the first node comes from the node list."""
+    return {
+        "SLURM_JOB_ID": job,
+        "SLURM_JOB_NAME": "fsdp_script",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_PROCID": str(node),
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": str(node),
+    }
 
 
 def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -119,11 +152,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     code, output = _finish(killed)
     assert code != 0, "the run whose rank 1 was killed ended normally:\n" + output
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["epoch=0-step=10.ckpt"]
-    resumed = _start(  # beside A, which is still running
-        [sys.executable, SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt"), *grow],
-        _env(MASTER_PORT=str(_free_port())),
-    )
-    for code, output in [_finish(p) for p in (*nodes, resumed)]:
+    # C: 2 SLURM "nodes" x 1 task, beside A (which is still running): started here as srun would start them.
+    resume = [SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt"), *grow]
+    job = _slurm_job_id()
+    resumed = [
+        _start([sys.executable, *resume, "--num-nodes", "2", "--devices", "1"], _env(**_srun_env(job, n)))
+        for n in (0, 1)
+    ]
+    for code, output in [_finish(p) for p in (*nodes, *resumed)]:
         assert code == 0, output
     return {"two_nodes": a, "resumed": b, "one_process": one, "two_processes": two}
 
@@ -164,6 +200,12 @@ def test_blocks_compiled_once_without_breaks(runs):
 
 
 def test_killed_run_resumes_to_the_weights_of_two_nodes_uninterrupted(runs):
+    """B (1 node x 2 processes, Lightning's launcher) to step 10, resumed by C on 2 SLURM "nodes" x 1 task
+    (SLURM_* variables as srun sets them: Lightning's SLURMEnvironment gives the ranks, the node ranks, the
+    address and the port), ends equal to A (2 nodes under torchrun) bit for bit."""
+    two_nodes, resumed = _result(runs["two_nodes"]), _result(runs["resumed"])
+    assert (two_nodes["cluster_environment"], two_nodes["node_ranks"]) == ("TorchElasticEnvironment", [0, 1])
+    assert (resumed["cluster_environment"], resumed["node_ranks"]) == ("SLURMEnvironment", [0, 1])
     resumed = torch.load(runs["resumed"] / "final.pt")
     uninterrupted = torch.load(runs["two_nodes"] / "final.pt")
     for key, value in uninterrupted.items():
