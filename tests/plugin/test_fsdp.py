@@ -94,7 +94,7 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 def _fit_one_process(out: Path, ckpt_path: Path | None, **trainer_kwargs) -> list:
-    """The ``--device-loader`` training of fsdp_script.py on one plain process (``compiled``, no compile):
+    """fsdp_script.fit_device_loader's training on one plain process (``compiled``, no compile):
     the (epoch, batch_idx, sample indices) of each batch it trained on."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
