@@ -83,6 +83,7 @@ def analyse_sass(text: str) -> dict[str, Any]:
         "hgmma_total": _count(instructions, "HGMMA"),
         "utmaldg_total": _count(instructions, "UTMALDG"),
         "ldgsts_total": _count(instructions, "LDGSTS"),
+        "utmastg_total": _count(instructions, "UTMASTG"),
         "spill_instructions": _count(instructions, "STL") + _count(instructions, "LDL"),
         "instructions_total": len(instructions),
     }
@@ -141,9 +142,9 @@ def _tool(name: str) -> str:
     from triton.backends.nvidia import compiler
 
     try:
-        ptxas = compiler.get_ptxas(90).path  # type: ignore[call-arg]
+        ptxas = compiler.get_ptxas(90).path
     except TypeError:
-        ptxas = compiler.get_ptxas().path  # type: ignore[call-arg]
+        ptxas = compiler.get_ptxas().path
     return os.path.join(os.path.dirname(ptxas), name)
 
 
