@@ -4,8 +4,8 @@ No GPU is needed or used: each config is compiled for sm_90a with Triton's own p
 (``lcv_kernels.conv_hopper_sass``). Runs once per triton: the one in this environment, and each
 ``--triton DIR`` (a folder made with ``pip install --no-deps --target DIR triton==3.6.0``, put first on
 PYTHONPATH in a subprocess). Writes ``benchmarks/results/conv-sass.json``: per row the shape, config,
-triton, registers, instructions per 8 HGMMA in the K loop, shared memory, CTAs/SM, HGMMA/UTMALDG/LDGSTS/LDG
-counts, spills and the bar failures (issue 38). These are compile-time facts, not timings: "not measured
+triton, with or without the BatchNorm statistics epilogue, registers, instructions per 8 HGMMA in the K
+loop, shared memory, CTAs/SM, HGMMA/UTMALDG/LDGSTS/LDG counts, spills and the bar failures (issue 38). These are compile-time facts, not timings: "not measured
 on GPU".
 
     python benchmarks/conv_sass.py --triton /work/triton36
@@ -28,12 +28,12 @@ _WORKER = """
 import json, sys
 from lcv_kernels.conv_hopper import CONFIGS
 from lcv_kernels.conv_hopper_sass import sass_row
-for shape, config in CONFIGS.items():
+for stats, (shape, config) in [(s, item) for s in (False, True) for item in CONFIGS.items()]:
     try:
-        row = sass_row(shape, config)
+        row = sass_row(shape, config, stats=stats)
     except Exception as err:  # a compile failure is a row, not the end of the table
         import triton
-        row = {"shape": list(shape), "config": config.describe(), "triton": triton.__version__,
+        row = {"shape": list(shape), "config": config.describe(), "triton": triton.__version__, "stats": stats,
                "error": repr(err)[:500], "bar_failures": ["did not compile"]}
     print(json.dumps(row), flush=True)
 """
@@ -62,9 +62,12 @@ def main() -> None:
     for row in rows:
         row["meets_bar"] = not row["bar_failures"]
     summary = {
-        triton: f"{sum(r['meets_bar'] for r in rows if r['triton'] == triton)}/"
-        f"{sum(r['triton'] == triton for r in rows)} rows meet the bar"
+        f"triton {triton}, {'with' if stats else 'without'} the statistics epilogue": (
+            f"{sum(r['meets_bar'] for r in rows if (r['triton'], r['stats']) == (triton, stats))}/"
+            f"{sum((r['triton'], r['stats']) == (triton, stats) for r in rows)} rows meet the bar"
+        )
         for triton in dict.fromkeys(r["triton"] for r in rows)
+        for stats in (False, True)
     }
     payload = {
         "what": "offline sm_90a SASS of lcv_kernels.conv_hopper's config table (compile-time facts)",
@@ -79,6 +82,7 @@ def main() -> None:
         rows,
         [
             "triton",
+            "stats",
             "shape",
             "config",
             "registers",

@@ -25,12 +25,13 @@ Not selected by ``kernels="auto"`` (no GPU has timed it yet); correctness is che
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
 
 from lcv_kernels._common import cdiv
-from lcv_kernels._triton import tl, triton
+from lcv_kernels._triton import chan_merge, merge_channel_stats, tile_mean_m2, tl, triton
 
 MODE_GEMM = 0
 MODE_CONV = 1
@@ -157,10 +158,102 @@ def check_config(shape: Shape, config: HopperConvConfig) -> None:
 
 
 @triton.jit
+def _tile_stats(
+    acc, valid, part, k0, count_ptr, mean_part_ptr, m2_part_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """One output tile's per-channel (count, mean, M2) of the fp32 accumulator into row ``part`` (its M
+    tile) of the ``[parts, K]`` buffers: each slot written by one tile, never read back here (no atomics)."""
+    count = tl.sum(valid.to(tl.float32), axis=0)
+    mean, m2 = tile_mean_m2(acc, valid[:, None], count)
+    cols = k0 + tl.arange(0, BLOCK_N)
+    tl.store(mean_part_ptr + part * K + cols, mean, mask=cols < K)
+    tl.store(m2_part_ptr + part * K + cols, m2, mask=cols < K)
+    tl.store(count_ptr + part, count, mask=k0 == 0)  # a mask, not an `if`: keeps the tile loops fusable
+
+
+@triton.jit
+def _merge_groups_kernel(
+    count_ptr,
+    mean_part_ptr,
+    m2_part_ptr,
+    group_count_ptr,
+    group_mean_ptr,
+    group_m2_ptr,
+    K,
+    NUM_PARTS,
+    SPAN,
+    BLOCK_C: tl.constexpr,
+):
+    """First merge level: program (g, c) folds parts ``[g*SPAN, (g+1)*SPAN)`` of channels block c into one
+    (count, mean, M2) row ``g``, part after part in order (Chan): a grid of groups x channel blocks, so a
+    64-channel layer still spreads its merge over >= 132 programs, and the order is fixed."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < K
+    n = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for part in range(g * SPAN, tl.minimum(g * SPAN + SPAN, NUM_PARTS)):
+        n_b = tl.load(count_ptr + part)
+        mean_b = tl.load(mean_part_ptr + part * K + cols, mask=mask, other=0.0)
+        m2_b = tl.load(m2_part_ptr + part * K + cols, mask=mask, other=0.0)
+        n, mean, m2 = chan_merge(n, mean, m2, n_b, mean_b, m2_b)
+    tl.store(group_mean_ptr + g * K + cols, mean, mask=mask)
+    tl.store(group_m2_ptr + g * K + cols, m2, mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(group_count_ptr + g, tl.max(n, axis=0))
+
+
+#: The first merge level's minimum grid: one wave of an H100/H200 (issue 38).
+MERGE_MIN_PROGRAMS = 132
+
+
+_MERGE_BLOCK_C = 64
+
+
+def merge_grid(parts: int, channels: int) -> tuple[int, int, int]:
+    """``(groups, channel blocks, parts a group)`` of the first merge level: groups x channel blocks >=
+    :data:`MERGE_MIN_PROGRAMS` wherever there are enough parts."""
+    channel_blocks = cdiv(channels, _MERGE_BLOCK_C)
+    groups = max(1, min(parts, cdiv(MERGE_MIN_PROGRAMS, channel_blocks)))
+    span = max(1, parts // groups)  # rounded down: cdiv(parts, span) >= groups
+    return cdiv(parts, span), channel_blocks, span
+
+
+def merge_stats(
+    counts: torch.Tensor, mean_parts: torch.Tensor, m2_parts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (mean, biased variance) from per-tile summaries, in two fixed-order levels: groups of
+    parts over a grid of >= :data:`MERGE_MIN_PROGRAMS` programs (where there are that many parts), then
+    :func:`lcv_kernels._triton.merge_channel_stats` over the groups. Bit-identical from run to run."""
+    parts, channels = mean_parts.shape
+    groups, channel_blocks, span = merge_grid(parts, channels)
+    group_count = torch.empty(groups, device=counts.device, dtype=torch.float32)
+    group_mean = torch.empty(groups, channels, device=counts.device, dtype=torch.float32)
+    group_m2 = torch.empty(groups, channels, device=counts.device, dtype=torch.float32)
+    _merge_groups_kernel[(groups, channel_blocks)](
+        counts,
+        mean_parts,
+        m2_parts,
+        group_count,
+        group_mean,
+        group_m2,
+        channels,
+        parts,
+        span,
+        BLOCK_C=_MERGE_BLOCK_C,
+    )
+    return merge_channel_stats(group_count, group_mean, group_m2)
+
+
+@triton.jit
 def _conv_hopper_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    count_ptr,
+    mean_part_ptr,
+    m2_part_ptr,
     N,
     H: tl.constexpr,
     W: tl.constexpr,
@@ -181,6 +274,7 @@ def _conv_hopper_kernel(
     BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     STAGES: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     KC: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K  # channel blocks a tap
     K_STEPS: tl.constexpr = R * S * KC
@@ -231,6 +325,9 @@ def _conv_hopper_kernel(
                 b = w_desc.load([k0, kk * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
             y_desc.store([m0, k0], acc.to(y_desc.dtype))
+            if STATS:
+                valid = (m0 + tl.arange(0, BLOCK_M)) < m
+                _tile_stats(acc, valid, tile_m, k0, count_ptr, mean_part_ptr, m2_part_ptr, K, BLOCK_N)
         else:
             q_tiles: tl.constexpr = (Q + TW - 1) // TW
             p_tiles: tl.constexpr = (P + TH - 1) // TH
@@ -258,21 +355,27 @@ def _conv_hopper_kernel(
                 b = w_desc.load([k0, tap * C + c0])
                 acc = tl.dot(a.reshape(BLOCK_M, BLOCK_K), b.T, acc)
             y_desc.store([n0, p0, q0, k0], acc.to(y_desc.dtype).reshape(TN, TH, TW, BLOCK_N))
+            if STATS:
+                pos = tl.arange(0, BLOCK_M)
+                valid = (n0 + pos // (TH * TW) < N) & (p0 + (pos // TW) % TH < P) & (q0 + pos % TW < Q)
+                _tile_stats(acc, valid, tile_m, k0, count_ptr, mean_part_ptr, m2_part_ptr, K, BLOCK_N)
 
 
-#: (data_ptr, version, shape, dtype) of the last weight packed, and its packing: re-packed when it changes.
-_PACKED: dict[tuple[Any, ...], torch.Tensor] = {}
+#: Packed weights by ``id`` of the weight tensor: (a weak reference to it, its version, the packing). The
+#: reference guards against a new tensor reusing a freed one's id or memory with the same version count.
+_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``[K, C, R, S]`` -> ``[K, R*S*C]`` (tap-major K dimension, channels contiguous), cached per weight
-    version so a training step packs once, not once a call."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
-    packed = _PACKED.get(key)
-    if packed is None:
-        packed = weight.detach().permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
-        _PACKED.clear()
-        _PACKED[key] = packed
+    tensor and version (an optimizer step bumps it) so a training step packs once, not once a call."""
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+        return entry[2]
+    packed = weight.detach().permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
+    for key in [key for key, (ref, _, _) in _PACKED.items() if ref() is None]:
+        del _PACKED[key]
+    _PACKED[id(weight)] = (weakref.ref(weight), weight._version, packed)
     return packed
 
 
@@ -294,6 +397,36 @@ def conv_hopper(
 ) -> torch.Tensor:
     """``conv2d(x, weight, stride=stride, padding=padding)`` (no bias, square kernel, groups 1) for a
     channels_last ``x``; returns a channels_last tensor. ``config`` defaults to :func:`select_config`."""
+    return _launch(x, weight, stride, padding, config, num_programs, stats=False)[0]
+
+
+def conv_hopper_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: int = 1,
+    padding: int = 0,
+    config: HopperConvConfig | None = None,
+    num_programs: int = HOPPER_SMS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`conv_hopper` plus the per-channel mean and biased variance of its fp32 result (what a
+    training BatchNorm normalises with), from the epilogue's per-tile summaries: ``(y, mean, var)``."""
+    y, parts = _launch(x, weight, stride, padding, config, num_programs, stats=True)
+    assert parts is not None
+    mean, var = merge_stats(*parts)
+    return y, mean, var
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: int,
+    padding: int,
+    config: HopperConvConfig | None,
+    num_programs: int,
+    stats: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Check, allocate and launch; with ``stats`` also return the ``(counts, mean_parts, m2_parts)``
+    buffers (one row per M tile)."""
     if (
         x.dim() != 4
         or weight.dim() != 4
@@ -318,13 +451,23 @@ def conv_hopper(
     _SCRATCH_DEVICE[0] = x.device
     triton.set_allocator(_allocate_scratch)
     tn, th, tw = config.tile
-    grid = (max(1, min(num_programs, cdiv(n, tn) * cdiv(p, th) * cdiv(q, tw) * cdiv(k, config.block_n))),)
+    m_tiles = cdiv(n, tn) * cdiv(p, th) * cdiv(q, tw)
     if mode == MODE_GEMM:
-        grid = (max(1, min(num_programs, cdiv(n * h * w, config.block_m) * cdiv(k, config.block_n))),)
+        m_tiles = cdiv(n * h * w, config.block_m)
+    grid = (max(1, min(num_programs, m_tiles * cdiv(k, config.block_n))),)
+    parts = None
+    if stats:
+        parts = (
+            torch.empty(m_tiles, device=x.device, dtype=torch.float32),
+            torch.empty(m_tiles, k, device=x.device, dtype=torch.float32),
+            torch.empty(m_tiles, k, device=x.device, dtype=torch.float32),
+        )
+    dummy = parts[0] if parts else y
     _conv_hopper_kernel[grid](
         x,
         pack_weight(weight),
         y,
+        *(parts or (dummy, dummy, dummy)),
         n,
         H=h,
         W=w,
@@ -345,7 +488,8 @@ def conv_hopper(
         BLOCK_K=config.block_k,
         NUM_PROGRAMS=grid[0],
         STAGES=config.num_stages,
+        STATS=stats,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return y
+    return y, parts

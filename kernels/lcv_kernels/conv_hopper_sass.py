@@ -161,7 +161,11 @@ def _constexprs(shape: Shape, config: HopperConvConfig, num_programs: int) -> di
 
 
 def compile_config(
-    shape: Shape, config: HopperConvConfig, dtype: str = "bf16", num_programs: int = HOPPER_SMS
+    shape: Shape,
+    config: HopperConvConfig,
+    dtype: str = "bf16",
+    num_programs: int = HOPPER_SMS,
+    stats: bool = False,
 ) -> Any:
     """Compile the kernel for sm_90a as :func:`lcv_kernels.conv_hopper.conv_hopper` would launch it (the
     batch ``N`` a runtime 16-divisible integer, pointers 16-byte aligned)."""
@@ -173,9 +177,11 @@ def compile_config(
 
     check_config(shape, config)
     consts = _constexprs(shape, config, num_programs)
-    signature = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "N": "i32"}
+    consts["STATS"] = stats
+    signature = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
+    signature.update({"count_ptr": "*fp32", "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "N": "i32"})
     signature.update({name: "constexpr" for name in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
     source = ASTSource(fn=_conv_hopper_kernel, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -200,11 +206,14 @@ def sass_of(compiled: Any) -> tuple[str, dict[str, int]]:
     return sass.stdout, {"REG": reg, "STACK": stack, "SHARED": shared, "LOCAL": local}
 
 
-def sass_row(shape: Shape, config: HopperConvConfig, dtype: str = "bf16") -> dict[str, Any]:
-    """One table row: the shape, config, triton version and every count the bar needs."""
+def sass_row(
+    shape: Shape, config: HopperConvConfig, dtype: str = "bf16", stats: bool = False
+) -> dict[str, Any]:
+    """One table row: the shape, config, triton version and every count the bar needs (``stats``: with
+    the BatchNorm statistics epilogue)."""
     import triton
 
-    compiled = compile_config(shape, config, dtype)
+    compiled = compile_config(shape, config, dtype, stats=stats)
     sass, usage = sass_of(compiled)
     counts = analyse_sass(sass)
     shared = int(compiled.metadata.shared) + usage["SHARED"]
@@ -212,6 +221,7 @@ def sass_row(shape: Shape, config: HopperConvConfig, dtype: str = "bf16") -> dic
         "shape": list(shape),
         "config": config.describe(),
         "dtype": dtype,
+        "stats": stats,
         "triton": triton.__version__,
         "registers": usage["REG"],
         "spill_bytes": usage["LOCAL"] + usage["STACK"],
