@@ -5,8 +5,8 @@ No GPU is needed or used: each config is compiled for sm_90a with Triton's own p
 ``--triton DIR`` (a folder made with ``pip install --no-deps --target DIR triton==3.6.0``, put first on
 PYTHONPATH in a subprocess). Writes ``benchmarks/results/conv-sass.json``: per row the shape, config,
 triton, with or without the BatchNorm statistics epilogue, registers, instructions per 8 HGMMA in the K
-loop, shared memory, CTAs/SM, HGMMA/UTMALDG/LDGSTS/LDG counts, spills and the bar failures (issue 38). These are compile-time facts, not timings: "not measured
-on GPU".
+loop, shared memory, CTAs/SM, HGMMA/UTMALDG/LDGSTS/LDG counts, spills and the bar failures (issue 38).
+These are compile-time facts, not timings: "not measured on GPU".
 
     python benchmarks/conv_sass.py --triton /work/triton36
 """
