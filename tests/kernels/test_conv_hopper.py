@@ -54,7 +54,7 @@ def _conv(tile: tuple[int, int, int], bn: int, bk: int) -> HopperConvConfig:
 
 
 # (N, C, H, W, K, kernel, stride, padding, config): every mode; tiles that do not divide P, Q or K; a tile
-# spanning two images (TN=2) with N odd; BLOCK_K past C (zero-filled channels); N=1; a 5x5 kernel.
+# spanning two images (TN=2) with N odd; BLOCK_K past C (zero-filled channels); N=1; a 5x5 kernel; H=1.
 CASES = [
     (2, 16, 5, 5, 24, 1, 1, 0, _gemm(16, 16, 16)),
     (1, 8, 3, 7, 8, 1, 1, 0, _gemm(16, 32, 16)),
@@ -63,6 +63,7 @@ CASES = [
     (1, 8, 6, 5, 16, 5, 1, 2, _conv((1, 4, 4), 16, 16)),
     (2, 16, 6, 8, 24, 3, 2, 1, _conv((2, 1, 8), 16, 16)),
     (1, 16, 6, 8, 16, 1, 2, 0, _conv((1, 2, 8), 16, 16)),
+    (2, 8, 1, 6, 16, 3, 1, 1, _conv((2, 1, 8), 16, 16)),  # H=1: every row above and below is padding
 ]
 
 
