@@ -250,3 +250,25 @@ def test_packed_weight_cache_never_serves_another_tensor() -> None:
         weight[:, 0] = float(value)
         assert torch.equal(pack_weight(weight), weight.permute(0, 2, 3, 1).reshape(16, -1))
         del weight
+
+
+def test_gpu_benchmark_script_checks_the_table_configs_in_the_interpreter(tmp_path) -> None:
+    """``benchmarks/conv_hopper.py --tiny`` runs the table's own configs (2x8x8 and 16x4x4 boxes, BLOCK_K
+    128, the deep 1x1) at batch 1 in the interpreter and checks them against float64: the script the GPU
+    call will run works before a GPU sees it."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LCV_RESULTS_DIR": str(tmp_path)}
+    env.pop("LCV_RESULTS_JSONL", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(_ROOT, "benchmarks", "conv_hopper.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "conv_hopper-interpreter-tiny.json") as f:
+        result = json.load(f)
+    assert result["timing"].startswith("not measured on GPU")
+    assert len(result["rows"]) == 4 and all(row["ok"] for row in result["rows"])
