@@ -1,0 +1,500 @@
+"""A persistent TMA convolution for Hopper (sm_90a), NHWC fp16/bf16: the implicit GEMM without per-element masks.
+
+Why a second conv kernel: ``conv_bn_act``'s kernel builds every im2col address and padding mask per element
+and loads with ``cp.async`` (312 SASS instructions per 8 HGMMA on a 3x3, one tile per CTA, nothing
+pipelined at C=64; issue 38). Here every operand tile comes through a TMA tensor descriptor, so the loop
+body is a few coordinates and a barrier wait per K step:
+
+* 1x1 stride-1 convs are a plain GEMM ``[N*H*W, C] @ [C, K]`` over 2-D descriptors (``MODE_GEMM``);
+* RxS stride-1 convs load a 4-D box ``[TN, TH, TW, BLOCK_K]`` of the NHWC input at (image, row + r - pad,
+  column + s - pad, channel) for each tap: rows/columns outside the image (the padding) and channels past C
+  are the descriptor's out-of-bounds zero fill, not masks (``MODE_CONV``);
+* stride-2 convs see the input as ``[N, H/2, 2, W/2, 2*C]`` (row parity and column parity become
+  coordinates), so the same box walks every other row and column (``MODE_CONV_S2``; H, W even, C a
+  multiple of BLOCK_K).
+
+Each program loops over output tiles (persistent, ``NUM_PROGRAMS`` programs) and the K loop is software
+pipelined by Triton (``num_stages`` TMA stages in flight, mbarrier waits, wgmma). The output tile leaves
+through a TMA store (out-of-bounds rows are clipped by the descriptor). Nothing autotunes without a GPU, so
+:data:`CONFIGS` holds one static config per layer shape; :func:`select_config` falls back to a rule.
+
+Not selected by ``kernels="auto"`` (no GPU has timed it yet); correctness is checked under
+``TRITON_INTERPRET=1`` and the compiled SASS offline (:mod:`lcv_kernels.conv_hopper_sass`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+
+from lcv_kernels._common import cdiv
+from lcv_kernels._triton import chan_merge, merge_channel_stats, tile_mean_m2, tl, triton
+
+MODE_GEMM = 0
+MODE_CONV = 1
+MODE_CONV_S2 = 2
+
+#: Hopper's SM count (H100/H200 SXM): the persistent grid's default size.
+HOPPER_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConvConfig:
+    """One launch config: an output tile of ``TN x TH x TW`` positions (``block_m`` rows; 1-D for the GEMM
+    mode, where only ``block_m`` counts) by ``block_n`` output channels, ``block_k`` input channels a K
+    step, and the pipeline depth and warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+    tile: tuple[int, int, int] = (1, 1, 1)  # (TN, TH, TW) for the conv modes; their product is block_m
+
+    def describe(self) -> str:
+        """A short label for tables: ``BMxBNxBK sS wW [TNxTHxTW]``."""
+        tile = "" if self.tile == (1, 1, 1) else f" tile {'x'.join(map(str, self.tile))}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}{tile}"
+
+
+#: A layer shape: (C_in, H, W, C_out, kernel, stride, padding), as in ``benchmarks/conv.py``.
+Shape = tuple[int, int, int, int, int, int, int]
+
+
+def _gemm(bm: int, bn: int, bk: int, stages: int, warps: int) -> HopperConvConfig:
+    return HopperConvConfig(bm, bn, bk, stages, warps)
+
+
+def _conv(tile: tuple[int, int, int], bn: int, bk: int, stages: int, warps: int) -> HopperConvConfig:
+    return HopperConvConfig(tile[0] * tile[1] * tile[2], bn, bk, stages, warps, tile)
+
+
+#: Static per-shape configs (ResNet-50 v1.5, ResNet-18 and airbench94 layers), chosen offline from a sweep of
+#: sm_90a compiles (tile, BLOCK_K 64/128, 4/8 warps: the SASS bar of issue 38, then the deepest pipeline that
+#: fits 227 KB of shared memory): never timed on a GPU. One warpgroup (4 warps) per CTA throughout: with two,
+#: each issues half the HGMMA for the same per-step overhead (250-380 instructions per 8 HGMMA in the sweep).
+#: BLOCK_N is not bounded by C: 256x64 tiles where K or C is 64; 128x128 with BLOCK_K 128 for C >= 128
+#: (BLOCK_K 64 x 4 stages for the deep 1x1s). 128x256 tiles need 8 warps (256 accumulator registers a
+#: thread at 4) and missed the bar.
+CONFIGS: dict[Shape, HopperConvConfig] = {
+    # ResNet-50 (v1.5: the stride on the 3x3)
+    (64, 56, 56, 64, 1, 1, 0): _gemm(256, 64, 64, 4, 4),
+    (64, 56, 56, 64, 3, 1, 1): _conv((1, 16, 16), 64, 64, 4, 4),
+    (64, 56, 56, 256, 1, 1, 0): _gemm(256, 64, 64, 4, 4),
+    (256, 56, 56, 64, 1, 1, 0): _gemm(256, 64, 64, 4, 4),
+    (128, 56, 56, 128, 3, 2, 1): _conv((1, 8, 16), 128, 128, 3, 4),
+    (128, 28, 28, 128, 3, 1, 1): _conv((1, 8, 16), 128, 128, 3, 4),
+    (1024, 14, 14, 256, 1, 1, 0): _gemm(
+        128, 128, 64, 4, 4
+    ),  # BLOCK_K 128 x 3 stages: 24 bytes over with statistics on 3.6
+    (256, 14, 14, 256, 3, 1, 1): _conv((2, 8, 8), 128, 128, 3, 4),
+    (512, 7, 7, 512, 3, 1, 1): _conv((2, 8, 8), 128, 128, 3, 4),
+    (512, 7, 7, 2048, 1, 1, 0): _gemm(
+        128, 128, 64, 4, 4
+    ),  # BLOCK_K 128 x 3 stages: 24 bytes over with statistics on 3.6
+    # ResNet-18 (its stride-1 3x3 shapes are ResNet-50's): stride-2 3x3s and 1x1 downsamples
+    (64, 56, 56, 128, 3, 2, 1): _conv((1, 16, 16), 64, 64, 4, 4),
+    (64, 56, 56, 128, 1, 2, 0): _conv((1, 16, 16), 64, 64, 4, 4),
+    (128, 28, 28, 256, 3, 2, 1): _conv((2, 8, 8), 128, 128, 3, 4),
+    (128, 28, 28, 256, 1, 2, 0): _conv((4, 8, 8), 64, 64, 4, 4),
+    (256, 14, 14, 512, 3, 2, 1): _conv((2, 8, 8), 128, 128, 3, 4),
+    (256, 14, 14, 512, 1, 2, 0): _conv((2, 8, 8), 128, 128, 3, 4),
+    # airbench94 (after the 2x2 whitening conv; batch 1024)
+    (24, 31, 31, 64, 3, 1, 1): _conv((1, 16, 16), 64, 32, 4, 4),
+    (64, 15, 15, 64, 3, 1, 1): _conv((1, 16, 16), 64, 64, 4, 4),
+    (64, 15, 15, 256, 3, 1, 1): _conv((1, 16, 16), 64, 64, 4, 4),
+    (256, 7, 7, 256, 3, 1, 1): _conv((2, 8, 8), 128, 128, 3, 4),
+    (256, 3, 3, 256, 3, 1, 1): _conv((16, 4, 4), 64, 64, 4, 4),
+}
+
+
+def layer_mode(shape: Shape) -> int:
+    """Which loop a layer shape takes, or raise naming why the TMA kernel cannot run it."""
+    c, h, w, k, r, stride, pad = shape
+    if (c * 2) % 16 or (k * 2) % 16:
+        raise ValueError(f"TMA needs C and K multiples of 8 (16-byte rows), got C={c} K={k}")
+    if r == 1 and stride == 1 and pad == 0:
+        return MODE_GEMM
+    if stride == 1:
+        if (r * r * c * 2) % 16:
+            raise ValueError(f"TMA needs R*S*C a multiple of 8 (packed weight rows), got {r * r * c}")
+        return MODE_CONV
+    if stride == 2:
+        if h % 2 or w % 2:
+            raise ValueError(f"the stride-2 TMA view needs an even H and W, got {h}x{w}")
+        return MODE_CONV_S2
+    raise ValueError(f"stride {stride} is not supported by the TMA conv (1 or 2)")
+
+
+def select_config(shape: Shape) -> HopperConvConfig:
+    """The table's config for ``shape``, else a rule: 128x128 tiles (256x64 for K <= 64), BLOCK_K 64 (32
+    for C <= 32), 4 stages, 8 warps; a square spatial tile of 128 positions for the conv modes."""
+    if shape in CONFIGS:
+        return CONFIGS[shape]
+    c, _, _, k, _, _, _ = shape
+    bk = 32 if c <= 32 else 64
+    if layer_mode(shape) == MODE_GEMM:
+        return _gemm(256, 64, bk, 4, 8) if k <= 64 else _gemm(128, 128, bk, 4, 8)
+    return _conv((1, 8, 16), 64 if k <= 64 else 128, bk, 4, 8)
+
+
+def check_config(shape: Shape, config: HopperConvConfig) -> None:
+    """Raise naming the first rule a config breaks for a shape (tile sizes TMA and wgmma accept)."""
+    c = shape[0]
+    mode = layer_mode(shape)
+    for name, value in (
+        ("block_m", config.block_m),
+        ("block_n", config.block_n),
+        ("block_k", config.block_k),
+    ):
+        if value & (value - 1) or value < 16:
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if config.block_n > 256 or config.block_k > 128:
+        raise ValueError(f"TMA boxes are at most 256 wide: block_n={config.block_n} block_k={config.block_k}")
+    if mode != MODE_GEMM and config.tile[0] * config.tile[1] * config.tile[2] != config.block_m:
+        raise ValueError(f"tile {config.tile} does not hold block_m={config.block_m} positions")
+    if mode == MODE_CONV_S2 and c % config.block_k:
+        raise ValueError(
+            f"the stride-2 view needs C a multiple of block_k, got C={c} block_k={config.block_k}"
+        )
+
+
+@triton.jit
+def _tile_stats(
+    acc, valid, part, k0, count_ptr, mean_part_ptr, m2_part_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """One output tile's per-channel (count, mean, M2) of the fp32 accumulator into row ``part`` (its M
+    tile) of the ``[parts, K]`` buffers: each slot written by one tile, never read back here (no atomics)."""
+    count = tl.sum(valid.to(tl.float32), axis=0)
+    mean, m2 = tile_mean_m2(acc, valid[:, None], count)
+    cols = k0 + tl.arange(0, BLOCK_N)
+    tl.store(mean_part_ptr + part * K + cols, mean, mask=cols < K)
+    tl.store(m2_part_ptr + part * K + cols, m2, mask=cols < K)
+    tl.store(count_ptr + part, count, mask=k0 == 0)  # a mask, not an `if`: keeps the tile loops fusable
+
+
+@triton.jit
+def _merge_groups_kernel(
+    count_ptr,
+    mean_part_ptr,
+    m2_part_ptr,
+    group_count_ptr,
+    group_mean_ptr,
+    group_m2_ptr,
+    K,
+    NUM_PARTS,
+    SPAN,
+    BLOCK_C: tl.constexpr,
+):
+    """First merge level: program (g, c) folds parts ``[g*SPAN, (g+1)*SPAN)`` of channels block c into one
+    (count, mean, M2) row ``g``, part after part in order (Chan): a grid of groups x channel blocks, so a
+    64-channel layer still spreads its merge over >= 132 programs, and the order is fixed."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < K
+    n = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for part in range(g * SPAN, tl.minimum(g * SPAN + SPAN, NUM_PARTS)):
+        n_b = tl.load(count_ptr + part)
+        mean_b = tl.load(mean_part_ptr + part * K + cols, mask=mask, other=0.0)
+        m2_b = tl.load(m2_part_ptr + part * K + cols, mask=mask, other=0.0)
+        n, mean, m2 = chan_merge(n, mean, m2, n_b, mean_b, m2_b)
+    tl.store(group_mean_ptr + g * K + cols, mean, mask=mask)
+    tl.store(group_m2_ptr + g * K + cols, m2, mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(group_count_ptr + g, tl.max(n, axis=0))
+
+
+#: The first merge level's minimum grid: one wave of an H100/H200 (issue 38).
+MERGE_MIN_PROGRAMS = 132
+
+
+_MERGE_BLOCK_C = 64
+
+
+def merge_grid(parts: int, channels: int) -> tuple[int, int, int]:
+    """``(groups, channel blocks, parts a group)`` of the first merge level: groups x channel blocks >=
+    :data:`MERGE_MIN_PROGRAMS` wherever there are enough parts."""
+    channel_blocks = cdiv(channels, _MERGE_BLOCK_C)
+    groups = max(1, min(parts, cdiv(MERGE_MIN_PROGRAMS, channel_blocks)))
+    span = max(1, parts // groups)  # rounded down: cdiv(parts, span) >= groups
+    return cdiv(parts, span), channel_blocks, span
+
+
+def merge_stats(
+    counts: torch.Tensor, mean_parts: torch.Tensor, m2_parts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (mean, biased variance) from per-tile summaries, in two fixed-order levels: groups of
+    parts over a grid of >= :data:`MERGE_MIN_PROGRAMS` programs (where there are that many parts), then
+    :func:`lcv_kernels._triton.merge_channel_stats` over the groups. Bit-identical from run to run."""
+    parts, channels = mean_parts.shape
+    groups, channel_blocks, span = merge_grid(parts, channels)
+    group_count = torch.empty(groups, device=counts.device, dtype=torch.float32)
+    group_mean = torch.empty(groups, channels, device=counts.device, dtype=torch.float32)
+    group_m2 = torch.empty(groups, channels, device=counts.device, dtype=torch.float32)
+    _merge_groups_kernel[(groups, channel_blocks)](
+        counts,
+        mean_parts,
+        m2_parts,
+        group_count,
+        group_mean,
+        group_m2,
+        channels,
+        parts,
+        span,
+        BLOCK_C=_MERGE_BLOCK_C,
+    )
+    return merge_channel_stats(group_count, group_mean, group_m2)
+
+
+@triton.jit
+def _conv_hopper_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    count_ptr,
+    mean_part_ptr,
+    m2_part_ptr,
+    N,
+    H: tl.constexpr,
+    W: tl.constexpr,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    S: tl.constexpr,
+    PAD_H: tl.constexpr,
+    PAD_W: tl.constexpr,
+    P: tl.constexpr,
+    Q: tl.constexpr,
+    MODE: tl.constexpr,
+    TN: tl.constexpr,
+    TH: tl.constexpr,
+    TW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    STAGES: tl.constexpr,
+    STATS: tl.constexpr,
+):
+    KC: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K  # channel blocks a tap
+    K_STEPS: tl.constexpr = R * S * KC
+    N_TILES: tl.constexpr = (K + BLOCK_N - 1) // BLOCK_N
+    # Output tiles: M tiles (images x rows x columns blocks) by N tiles, N fastest (neighbours share the
+    # input tile in L2).
+    if MODE == 0:  # MODE_GEMM
+        m = N * H * W
+        x_desc = tl.make_tensor_descriptor(
+            x_ptr, shape=[m, C], strides=[C, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        y_desc = tl.make_tensor_descriptor(
+            y_ptr, shape=[m, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_N]
+        )
+        m_tiles = tl.cdiv(m, BLOCK_M)
+    elif MODE == 1:  # MODE_CONV
+        x_desc = tl.make_tensor_descriptor(
+            x_ptr, shape=[N, H, W, C], strides=[H * W * C, W * C, C, 1], block_shape=[TN, TH, TW, BLOCK_K]
+        )
+        y_desc = tl.make_tensor_descriptor(
+            y_ptr, shape=[N, P, Q, K], strides=[P * Q * K, Q * K, K, 1], block_shape=[TN, TH, TW, BLOCK_N]
+        )
+        m_tiles = tl.cdiv(N, TN) * ((P + TH - 1) // TH) * ((Q + TW - 1) // TW)
+    else:
+        # [N, H/2, row parity, W/2, column parity * C + c]: stride 2 as coordinates.
+        x_desc = tl.make_tensor_descriptor(
+            x_ptr,
+            shape=[N, H // 2, 2, W // 2, 2 * C],
+            strides=[H * W * C, 2 * W * C, W * C, 2 * C, 1],
+            block_shape=[TN, TH, 1, TW, BLOCK_K],
+        )
+        y_desc = tl.make_tensor_descriptor(
+            y_ptr, shape=[N, P, Q, K], strides=[P * Q * K, Q * K, K, 1], block_shape=[TN, TH, TW, BLOCK_N]
+        )
+        m_tiles = tl.cdiv(N, TN) * ((P + TH - 1) // TH) * ((Q + TW - 1) // TW)
+    w_desc = tl.make_tensor_descriptor(
+        w_ptr, shape=[K, R * S * C], strides=[R * S * C, 1], block_shape=[BLOCK_N, BLOCK_K]
+    )
+    num_tiles = m_tiles * N_TILES
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, num_stages=STAGES):
+        tile_m = tile // N_TILES
+        k0 = (tile - tile_m * N_TILES) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if MODE == 0:
+            m0 = tile_m * BLOCK_M
+            for kk in range(K_STEPS):
+                a = x_desc.load([m0, kk * BLOCK_K])
+                b = w_desc.load([k0, kk * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            y_desc.store([m0, k0], acc.to(y_desc.dtype))
+            if STATS:
+                valid = (m0 + tl.arange(0, BLOCK_M)) < m
+                _tile_stats(acc, valid, tile_m, k0, count_ptr, mean_part_ptr, m2_part_ptr, K, BLOCK_N)
+        else:
+            q_tiles: tl.constexpr = (Q + TW - 1) // TW
+            p_tiles: tl.constexpr = (P + TH - 1) // TH
+            n0 = tile_m // (p_tiles * q_tiles)
+            rest = tile_m - n0 * (p_tiles * q_tiles)
+            p0 = (rest // q_tiles) * TH
+            q0 = (rest - (rest // q_tiles) * q_tiles) * TW
+            n0 = n0 * TN
+            for kk in range(K_STEPS):
+                tap = kk // KC
+                c0 = (kk - tap * KC) * BLOCK_K
+                r = tap // S
+                s = tap - r * S
+                if MODE == 1:
+                    a = x_desc.load([n0, p0 + r - PAD_H, q0 + s - PAD_W, c0])
+                else:
+                    # input row 2*p + r - PAD_H = 2*(p + half) + parity; offsets kept non-negative for //.
+                    OFF_H: tl.constexpr = 2 * ((PAD_H + 1) // 2)
+                    OFF_W: tl.constexpr = 2 * ((PAD_W + 1) // 2)
+                    eh = r - PAD_H + OFF_H
+                    ew = s - PAD_W + OFF_W
+                    a = x_desc.load(
+                        [n0, p0 + eh // 2 - OFF_H // 2, eh % 2, q0 + ew // 2 - OFF_W // 2, (ew % 2) * C + c0]
+                    )
+                b = w_desc.load([k0, tap * C + c0])
+                acc = tl.dot(a.reshape(BLOCK_M, BLOCK_K), b.T, acc)
+            y_desc.store([n0, p0, q0, k0], acc.to(y_desc.dtype).reshape(TN, TH, TW, BLOCK_N))
+            if STATS:
+                pos = tl.arange(0, BLOCK_M)
+                valid = (n0 + pos // (TH * TW) < N) & (p0 + (pos // TW) % TH < P) & (q0 + pos % TW < Q)
+                _tile_stats(acc, valid, tile_m, k0, count_ptr, mean_part_ptr, m2_part_ptr, K, BLOCK_N)
+
+
+#: Packed weights by ``id`` of the weight tensor: (a weak reference to it, its version, the packing). The
+#: reference guards against a new tensor reusing a freed one's id or memory with the same version count.
+_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[K, C, R, S]`` -> ``[K, R*S*C]`` (tap-major K dimension, channels contiguous), cached per weight
+    tensor and version (an optimizer step bumps it) so a training step packs once, not once a call."""
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+        return entry[2]
+    packed = weight.detach().permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
+    for key in [key for key, (ref, _, _) in _PACKED.items() if ref() is None]:
+        del _PACKED[key]
+    _PACKED[id(weight)] = (weakref.ref(weight), weight._version, packed)
+    return packed
+
+
+def _allocate_scratch(size: int, alignment: int, stream: Any) -> torch.Tensor:
+    """Global memory for device-side tensor descriptors (Triton asks for it at launch)."""
+    return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE[0])
+
+
+_SCRATCH_DEVICE: list[torch.device] = [torch.device("cpu")]
+
+
+def conv_hopper(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: int = 1,
+    padding: int = 0,
+    config: HopperConvConfig | None = None,
+    num_programs: int = HOPPER_SMS,
+) -> torch.Tensor:
+    """``conv2d(x, weight, stride=stride, padding=padding)`` (no bias, square kernel, groups 1) for a
+    channels_last ``x``; returns a channels_last tensor. ``config`` defaults to :func:`select_config`."""
+    return _launch(x, weight, stride, padding, config, num_programs, stats=False)[0]
+
+
+def conv_hopper_stats(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: int = 1,
+    padding: int = 0,
+    config: HopperConvConfig | None = None,
+    num_programs: int = HOPPER_SMS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`conv_hopper` plus the per-channel mean and biased variance of its fp32 result (what a
+    training BatchNorm normalises with), from the epilogue's per-tile summaries: ``(y, mean, var)``."""
+    y, parts = _launch(x, weight, stride, padding, config, num_programs, stats=True)
+    assert parts is not None
+    mean, var = merge_stats(*parts)
+    return y, mean, var
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: int,
+    padding: int,
+    config: HopperConvConfig | None,
+    num_programs: int,
+    stats: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Check, allocate and launch; with ``stats`` also return the ``(counts, mean_parts, m2_parts)``
+    buffers (one row per M tile)."""
+    if (
+        x.dim() != 4
+        or weight.dim() != 4
+        or weight.shape[1] != x.shape[1]
+        or weight.shape[2] != weight.shape[3]
+    ):
+        raise ValueError(
+            f"need x [N,C,H,W] and a square weight [K,C,R,R], got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if not x.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError("x must be channels_last (NHWC in memory)")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight dtypes differ: {x.dtype} vs {weight.dtype}")
+    n, c, h, w = x.shape
+    k, _, r, _ = weight.shape
+    shape = (c, h, w, k, r, stride, padding)
+    mode = layer_mode(shape)
+    config = config or select_config(shape)
+    check_config(shape, config)
+    p, q = (h + 2 * padding - r) // stride + 1, (w + 2 * padding - r) // stride + 1
+    y = torch.empty((n, k, p, q), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    _SCRATCH_DEVICE[0] = x.device
+    triton.set_allocator(_allocate_scratch)
+    tn, th, tw = config.tile
+    m_tiles = cdiv(n, tn) * cdiv(p, th) * cdiv(q, tw)
+    if mode == MODE_GEMM:
+        m_tiles = cdiv(n * h * w, config.block_m)
+    grid = (max(1, min(num_programs, m_tiles * cdiv(k, config.block_n))),)
+    parts = None
+    if stats:
+        parts = (
+            torch.empty(m_tiles, device=x.device, dtype=torch.float32),
+            torch.empty(m_tiles, k, device=x.device, dtype=torch.float32),
+            torch.empty(m_tiles, k, device=x.device, dtype=torch.float32),
+        )
+    dummy = parts[0] if parts else y
+    _conv_hopper_kernel[grid](
+        x,
+        pack_weight(weight),
+        y,
+        *(parts or (dummy, dummy, dummy)),
+        n,
+        H=h,
+        W=w,
+        C=c,
+        K=k,
+        R=r,
+        S=r,
+        PAD_H=padding,
+        PAD_W=padding,
+        P=p,
+        Q=q,
+        MODE=mode,
+        TN=tn,
+        TH=th,
+        TW=tw,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        NUM_PROGRAMS=grid[0],
+        STAGES=config.num_stages,
+        STATS=stats,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return y, parts
