@@ -2,10 +2,10 @@
 and training under ``strategy="compiled"`` with 0 graph breaks and the same weights as eager.
 
 Configs are the built-in ones shrunk through ``model_kwargs`` (one layer, 8-16 wide, 16 px images): every block
-type of the architecture stays, and Dynamo traces each in about a second. The compiled runs use the
+type of the architecture stays, and Dynamo traces each in about a second. The per-model runs use the
 ``aot_eager`` backend: graph breaks and recompiles are Dynamo's, and the weights check then tests the traced
-graphs (forward and AOT backward) against eager; inductor's own code generation is tested elsewhere and timed
-in ``benchmarks/strategy_overhead.py --workloads hf_vit_tiny,hf_convnext_tiny``.
+graphs (forward and AOT backward) against eager. One ViT runs through Inductor itself (about 7-13 s here),
+against float64 eager; speed is timed in ``benchmarks/strategy_overhead.py --workloads hf_vit_tiny,...``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from import_layers import imports
-from lcv_kernels.tolerances import network_length, tolerance, trajectory_tolerance
+from lcv_kernels.tolerances import bound, network_length, tolerance, trajectory_tolerance
 from lcv_vision.models import create_model
 from lcv_vision.module import ClassificationModule
 from lightning_plugin import CompiledStrategy
@@ -231,6 +231,34 @@ def test_bf16_mixed_compiles_with_no_graph_break():
     assert stats.graphs == 1 and stats.graph_breaks == 0 and not stats.fell_back, stats.break_reasons
     assert stats.recompiles == 0, stats.recompile_reasons
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_vit_trains_under_inductor_with_no_graph_break_and_the_weights_of_float64_eager():
+    """Inductor's own CPU code for a tiny ViT (attention, GELU, LayerNorm, forward and backward): 4 steps in
+    fp32 against the same 4 steps in float64 eager, within what fp32's rounding allows. No validation: its
+    no_grad graph would be a second Inductor compile for no new kind of code."""
+    torch.manual_seed(0)
+    settings = dict(lr=0.1, schedule="constant", weight_decay=0.0)
+    compiled = ClassificationModule(
+        model="hf:vit-tiny", num_classes=3, model_kwargs=TINY["vit-tiny"], **settings
+    )
+    reference = copy.deepcopy(compiled)
+    initial = {k: v.clone() for k, v in compiled.state_dict().items()}
+    _fit(reference, "auto", precision="64-true", limit_val_batches=0)
+    strategy = CompiledStrategy(compile="always")  # inductor, the CPU tuning included
+    _fit(compiled, strategy, limit_val_batches=0)
+
+    stats = strategy.compile_stats
+    assert stats.graphs == 1 and stats.graph_breaks == 0, stats.break_reasons
+    assert not stats.fell_back and stats.recompiles == 0, stats.recompile_reasons
+    length = network_length(reference.model, (4, 3, 16, 16))
+    tol = trajectory_tolerance(torch.float32, length, steps=4)
+    got, want = compiled.state_dict(), reference.state_dict()
+    assert all(v.dtype == torch.float64 for v in want.values() if v.is_floating_point())
+    for name, value in want.items():
+        torch.testing.assert_close(got[name].double(), value, atol=bound(tol, value), rtol=0, msg=name)
+    moved = max((want[k] - initial[k].double()).abs().max().item() for k in want if "hf." in k)
+    assert moved > 100 * bound(tol, torch.tensor(moved))  # training moved the weights well past the bound
 
 
 # ------------------------------------------------------------------------------------------- fused blocks
