@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -152,11 +153,11 @@ class _Data(L.LightningDataModule):
     class_names = ["a", "b", "c"]
     num_classes = 3
 
-    def __init__(self) -> None:
+    def __init__(self, images: int = 16) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.images = torch.randn(16, 3, 16, 16, generator=g)
-        self.targets = torch.randint(0, 3, (16,), generator=g)
+        self.images = torch.randn(images, 3, 16, 16, generator=g)
+        self.targets = torch.randint(0, 3, (images,), generator=g)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.images, self.targets), batch_size=4)
@@ -166,7 +167,11 @@ class _Data(L.LightningDataModule):
 
 
 def _fit(
-    module: ClassificationModule, strategy: object, precision: str = "32-true", **kwargs: object
+    module: ClassificationModule,
+    strategy: object,
+    precision: str = "32-true",
+    images: int = 16,
+    **kwargs: object,
 ) -> None:
     trainer = L.Trainer(
         **kwargs,
@@ -181,7 +186,7 @@ def _fit(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, datamodule=_Data())
+    trainer.fit(module, datamodule=_Data(images))
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -259,6 +264,69 @@ def test_vit_trains_under_inductor_with_no_graph_break_and_the_weights_of_float6
         torch.testing.assert_close(got[name].double(), value, atol=bound(tol, value), rtol=0, msg=name)
     moved = max((want[k] - initial[k].double()).abs().max().item() for k in want if "hf." in k)
     assert moved > 100 * bound(tol, torch.tensor(moved))  # training moved the weights well past the bound
+
+
+class _StepCosts:
+    """A virtual step clock for ``compile="auto"``: a compiled forward costs ``compiled_s``, an eager one
+    ``eager_s``, every clock read a millisecond. No real time enters the decision."""
+
+    def __init__(self, eager_s: float, compiled_s: float) -> None:
+        self.eager_s, self.compiled_s, self.now = eager_s, compiled_s, 0.0
+
+    def clock(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+    def eager_forward(self, module: torch.nn.Module, args: object) -> None:
+        if not torch.compiler.is_compiling():  # Dynamo drops this branch from the traced graph
+            self.now += self.eager_s
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args: object) -> object:
+            self.now += self.compiled_s
+            return compiled(*args)
+
+        return run
+
+
+#: ms per training step, eager and compiled, of ``hf_vit_tiny`` and ``hf_convnext_tiny`` as measured by
+#: ``benchmarks/strategy_overhead.py`` on this project's 2-core CPU (``strategy_overhead-cpu-hf.json``)
+MEASURED_MS = {"vit-tiny": (18676.4, 22485.0), "convnext-tiny": (12081.3, 8460.9)}
+
+
+@pytest.mark.parametrize(
+    ("name", "choice", "line"),
+    [("vit-tiny", "eager", "0.83x"), ("convnext-tiny", "compiled", "1.43x")],
+)
+def test_compile_auto_decides_by_the_measured_step_times(name, choice, line, tmp_path, monkeypatch, caplog):
+    """``compile="auto"`` with the benchmark's step times injected: ViT, slower compiled, trains eagerly
+    after the measuring steps (and validates eagerly: one graph); ConvNeXt keeps compiling. One line says
+    which and why."""
+    from lightning_plugin.compile import decision as compile_decision
+    from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
+
+    eager_ms, compiled_ms = MEASURED_MS[name]
+    costs = _StepCosts(eager_ms / 1e3, compiled_ms / 1e3)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "decisions"))  # no decision from an earlier run
+    monkeypatch.setattr(compile_decision, "step_clock", costs.clock)
+    caplog.set_level(logging.INFO)
+    module = ClassificationModule(model=f"hf:{name}", num_classes=3, model_kwargs=TINY[name], lr=0.1)
+    module.model.register_forward_pre_hook(costs.eager_forward)
+    strategy = CompiledStrategy(backend=costs.backend)  # compile="auto", the default
+    steps = compile_decision.WARMUP_STEPS + 1 + 2 * compile_decision.SAMPLES + 2  # decided, then 2 more
+    _fit(module, strategy, images=4 * steps)
+
+    decision = strategy.compile_decision
+    assert decision is not None and decision.source == "measured" and decision.choice == choice
+    assert decision.speedup == pytest.approx(eager_ms / compiled_ms, rel=1e-3)
+    lines = [r.getMessage() for r in caplog.records if "compile='auto'" in r.getMessage()]
+    assert len(lines) == 1 and line in lines[0], lines
+    assert ("training eagerly" in lines[0]) == (choice == "eager"), lines[0]
+    stats = strategy.compile_stats
+    assert stats.graph_breaks == 0 and stats.decision == choice
+    assert stats.graphs == (1 if choice == "eager" else 2)  # validation compiles only where compiling stays
 
 
 # ------------------------------------------------------------------------------------------- fused blocks
