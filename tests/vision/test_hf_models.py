@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from import_layers import imports
@@ -26,7 +27,7 @@ from lcv_kernels.tolerances import bound, network_length, tolerance, trajectory_
 from lcv_vision.models import create_model
 from lcv_vision.module import ClassificationModule
 from lightning_plugin import CompiledStrategy
-from photo_folder import CLASSES, write_photo_folder
+from photo_folder import CLASSES, image_files, reference_rgb, write_photo_folder
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is in the hf and dev extras"
@@ -106,6 +107,8 @@ def test_a_saved_directory_comes_back_with_its_weights_and_processor(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(again(x), model(x))
     five = create_model(f"hf:{tmp_path / 'saved'}", num_classes=5)  # another data set: a new head
+    assert all(m.training for m in five.modules())  # as built models are (from_pretrained's are not)
+    five.eval()
     assert five.config.num_labels == 5 and five(x).shape == (2, 5)
     body = {k: v for k, v in model.state_dict().items() if "classifier" not in k}
     torch.testing.assert_close({k: five.state_dict()[k] for k in body}, body)
@@ -370,3 +373,71 @@ def test_lcv_builds_a_saved_hf_model_for_a_recipe_of_another_architecture(tmp_pa
     hp = cli.model.hparams
     assert hp.model_kwargs is None and hp.whitening_images == 0 and hp.lr == 0.02
     assert cli.model.model.config.num_labels == len(CLASSES)
+
+
+def _pretrain_on_photos(model: torch.nn.Module, photo_folder: str, size: int) -> None:
+    """Stands in for a hub checkpoint's pretraining: 20 full-batch steps on the folder's training photos,
+    resized to ``size`` (PIL-decoded, independently of the recipe's loader), labels 0 and 1 of 10; the
+    fine-tune then replaces the head. Random weights would make the fine-tune's accuracy a coin toss."""
+    files = image_files(photo_folder, "train")
+    pixels = [reference_rgb(f)[None].float() / 255 for f in files]
+    images = torch.cat([F.interpolate(p, size=(size, size), mode="bilinear", antialias=True) for p in pixels])
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in IMAGENET)
+    targets = torch.tensor([CLASSES.index(f.relative_to(photo_folder).parts[1]) for f in files])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(20):
+        loss = F.cross_entropy(model((images - mean) / std), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def test_a_saved_checkpoint_fine_tunes_on_the_photo_folder(photo_folder, tmp_path, monkeypatch):
+    """``lcv fit --recipe imagefolder-small --model.model hf:<dir>``, one epoch (5 steps) on the photo folder:
+    the run starts from the saved weights (a re-initialised body would be as far from them as they are from
+    zero), fine-tuning moves them in training mode, the new head has the folder's 2 named classes, and the
+    final weights beat the majority class (3 of the 6 validation photos). Trained eagerly with eager
+    augmentation: compiling both is tested elsewhere and would add ~20 s here."""
+    pytest.importorskip("jsonargparse", reason="the lcv CLI needs jsonargparse")
+    from lcv_vision.cli import run
+    from lcv_vision.data.pipeline import Pipeline
+
+    compiled_init = Pipeline.__init__
+    monkeypatch.setattr(
+        Pipeline, "__init__", lambda self, *args, **kw: compiled_init(self, *args, **{**kw, "compile": False})
+    )
+    monkeypatch.setattr(sys, "argv", ["lcv"])  # run() is the command line in-process; not pytest's argv
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(1234)  # not the run's seed: its fresh initialisation would differ from these weights
+    pretrained = create_model("hf:resnet-18", num_classes=10, **TINY["resnet-18"])
+    _pretrain_on_photos(pretrained, photo_folder, size=24)
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    sizes = ["--data.image_size", "24", "--data.storage_size", "27", "--data.batch_size", "4"]
+    cli = run(
+        [
+            "fit",
+            *("--recipe", "imagefolder-small", "--model.model", f"hf:{tmp_path / 'pretrained'}"),
+            *("--data.root", photo_folder, *sizes, "--data.num_workers", "0", "--model.lr", "0.05"),
+            *(
+                "--trainer.max_epochs",
+                "1",
+                "--trainer.strategy",
+                "auto",
+                "--trainer.enable_progress_bar",
+                "false",
+            ),
+        ]
+    )
+    assert cli is not None and cli.trainer.global_step == 5  # 20 photos in batches of 4
+    tuned = cli.model.model
+    assert tuned.config.num_labels == 2 and tuned.config.id2label == {0: "china", 1: "flower"}
+    before, after = pretrained.state_dict(), tuned.state_dict()
+    convs = [k for k in before if k.endswith("convolution.weight")]
+    assert len(convs) == 6
+    for key in convs:
+        moved = float((after[key] - before[key]).norm())
+        assert 0 < moved < 0.5 * float(before[key].norm()), key
+    # trained in training mode (from_pretrained returns an eval-mode model): BatchNorm's statistics moved
+    stats = [k for k in before if k.endswith("running_mean")]
+    assert stats and all(not torch.equal(after[k], before[k]) for k in stats)
+    assert cli.test_results["final"]["test/acc"] > 0.5
