@@ -2,7 +2,9 @@
 
 Steady state: every side (``eager`` = Lightning's default strategy, ``compiled`` = the compiled
 strategy as users get it, ``untuned`` = the compiled strategy with ``tune_cpu=False``: stock Inductor
-settings, the LightningModule's own optimizer step) trains the same workload in this process, one fit
+settings, the LightningModule's own optimizer step; ``auto`` = the compiled strategy with ``compile="auto"``,
+which measures its own compiled and eager steps and keeps the faster: its decision and the ratio it measured
+are recorded, each fit measuring anew with an empty decision cache) trains the same workload in this process, one fit
 after another in turn, ``--repeats`` times; each fit's first ``--warmup`` steps are not timed and
 the median step time of the rest is kept, then the median over repeats. ``digits-small`` trains the
 recipe's own module and data (``lcv_vision.recipes.build``) for ``--epochs`` epochs and counts images
@@ -20,6 +22,7 @@ the first left behind (warm).
     python benchmarks/strategy_overhead.py --workloads resnet18,vit_tiny --sides eager,compiled,untuned
     python benchmarks/strategy_overhead.py --no-compile-time --repeats 5
     python benchmarks/strategy_overhead.py --workloads hf_vit_tiny,hf_convnext_tiny --tag hf   # needs transformers
+    python benchmarks/strategy_overhead.py --workloads hf_vit_tiny --sides eager,compiled,auto --steps 16
 
 ``hf_vit_tiny`` and ``hf_convnext_tiny`` are Hugging Face ``transformers`` classifiers built from configs
 (``hf:vit-tiny`` with 4-pixel patches for 32 px images, as ``vit_tiny``; ``hf:convnext-tiny``, the full
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -37,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +150,7 @@ WORKLOADS: dict[str, Workload] = {
 }
 RECIPE_WORKLOAD = "digits-small"
 ALL_WORKLOADS = (*WORKLOADS, RECIPE_WORKLOAD)
-SIDES = ("eager", "compiled", "untuned")
+SIDES = ("eager", "compiled", "untuned", "auto")
 
 
 #: Where ``--compile-backend`` is kept, so that the fresh processes timing the first step inherit it.
@@ -154,12 +158,14 @@ BACKEND_ENV = "LCV_BENCH_COMPILE_BACKEND"
 
 
 def strategy_for(side: str) -> Any:
-    """The compiled sides use ``compile="always"``: with the default ``"auto"`` a side that measured
-    slower than eager would switch to eager after its first steps, and this benchmark would time eager
-    twice."""
+    """The ``compiled`` and ``untuned`` sides use ``compile="always"``: with the default ``"auto"`` a side
+    that measured slower than eager would switch to eager after its first steps, and this benchmark would
+    time eager twice. The ``auto`` side is that default, to record what it decides."""
     if side == "eager":
         return "auto"
     backend = os.environ.get(BACKEND_ENV, "inductor")
+    if side == "auto":
+        return lightning_plugin.CompiledStrategy(backend=backend, compile="auto")
     if backend != "inductor":
         return lightning_plugin.CompiledStrategy(backend=backend, compile="always")
     if side == "compiled":
@@ -173,6 +179,10 @@ class BatchTimer(L.Callback):
     def __init__(self) -> None:
         self.steps: list[tuple[int, float, float, int]] = []  # (epoch, start, end, images)
         self._start = 0.0
+        self.decision: Any = None  # compile="auto": the strategy's CompileDecision at the end of the fit
+
+    def on_train_end(self, trainer, pl_module):
+        self.decision = getattr(trainer.strategy, "compile_decision", None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _sync()
@@ -228,10 +238,29 @@ def fit_synthetic(workload: Workload, side: str, steps: int) -> BatchTimer:
         torch.randn(n, 3, workload.size, workload.size, generator=g), torch.randint(0, 10, (n,), generator=g)
     )
     timer = BatchTimer()
-    _trainer(strategy_for(side), timer, max_epochs=1).fit(
-        Classifier(workload.build()), DataLoader(data, batch_size=workload.batch, drop_last=True)
-    )
+    with _fresh_decision_cache():
+        _trainer(strategy_for(side), timer, max_epochs=1).fit(
+            Classifier(workload.build()), DataLoader(data, batch_size=workload.batch, drop_last=True)
+        )
     return timer
+
+
+@contextlib.contextmanager
+def _fresh_decision_cache() -> Iterator[None]:
+    """An empty ``compile="auto"`` decision cache for one fit: the ``auto`` side measures in every repeat
+    instead of reading the first repeat's decision (or a decision of the user's own runs)."""
+    from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
+
+    before = os.environ.get(CACHE_DIR_ENV)
+    with tempfile.TemporaryDirectory(prefix="lcv-decisions-") as folder:
+        os.environ[CACHE_DIR_ENV] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(CACHE_DIR_ENV, None)
+            else:
+                os.environ[CACHE_DIR_ENV] = before
 
 
 def fit_recipe(side: str, epochs: int, limit_batches: int | None = None) -> BatchTimer:
@@ -242,9 +271,10 @@ def fit_recipe(side: str, epochs: int, limit_batches: int | None = None) -> Batc
     precision = trainer_kwargs(RECIPE_WORKLOAD, gpu=torch.cuda.is_available())["precision"]
     timer = BatchTimer()
     limits = {} if limit_batches is None else {"limit_train_batches": limit_batches, "limit_val_batches": 0}
-    _trainer(strategy_for(side), timer, max_epochs=epochs, precision=precision, **limits).fit(
-        module, datamodule
-    )
+    with _fresh_decision_cache():
+        _trainer(strategy_for(side), timer, max_epochs=epochs, precision=precision, **limits).fit(
+            module, datamodule
+        )
     return timer
 
 
@@ -259,13 +289,17 @@ def first_step_in_fresh_process(workload: str, cache_dir: str) -> float:
 def measure(workload: str, args: argparse.Namespace) -> dict[str, Any]:
     """Steady state of every side in turn, ``--repeats`` times; medians."""
     per_repeat: dict[str, list[float]] = {side: [] for side in args.sides}
+    decisions: list[dict[str, Any]] = []
     for _ in range(args.repeats):
         for side in args.sides:
             if workload == RECIPE_WORKLOAD:
-                per_repeat[side].append(fit_recipe(side, args.epochs).images_per_second_after_first_epoch())
+                timer = fit_recipe(side, args.epochs)
+                per_repeat[side].append(timer.images_per_second_after_first_epoch())
             else:
                 timer = fit_synthetic(WORKLOADS[workload], side, args.steps)
                 per_repeat[side].append(1e3 * median(timer.step_seconds(args.warmup)))
+            if side == "auto":
+                decisions.append(_decision_record(timer.decision))
     row: dict[str, Any] = {"workload": workload}
     unit = "img/s" if workload == RECIPE_WORKLOAD else "ms/step"
     for side in args.sides:
@@ -274,8 +308,20 @@ def measure(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         if side != "eager" and "eager" in args.sides:
             faster = row[f"eager {unit}"] / row[f"{side} {unit}"]
             row[f"{side} ratio"] = 1 / faster if unit == "img/s" else faster
+    if decisions:
+        row["auto decisions"] = decisions  # one per repeat; its ms/step mixes measuring and decided steps
     row["per_repeat"] = per_repeat
     return row
+
+
+def _decision_record(decision: Any) -> dict[str, Any]:
+    """What ``compile="auto"`` decided in one fit, and its one-line reason (none: the fit ended first)."""
+    if decision is None:
+        return {
+            "choice": None,
+            "line": "no decision: the fit ended before the measurement did (more --steps)",
+        }
+    return {"choice": decision.choice, "speedup": decision.speedup, "line": decision.describe()}
 
 
 def main() -> None:
@@ -341,6 +387,7 @@ def main() -> None:
         f"glibc keeps freed memory: {kept}",
         flush=True,
     )
+    load_before = os.getloadavg()
     stream = ResultStream("strategy_overhead")
     rows = []
     for workload in args.workloads:
@@ -354,9 +401,11 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = f"strategy_overhead-{device}" + (f"-{args.tag}" if args.tag else "")
-    path = write_results(name, {"args": vars(args), "results": rows})
+    load = {"before": load_before, "after": os.getloadavg(), "cores": os.cpu_count()}
+    path = write_results(name, {"args": vars(args), "load_average": load, "results": rows})
     print(f"results written to {path}")
-    columns = sorted({k for r in rows for k in r if k != "per_repeat"}, key=lambda k: (k != "workload", k))
+    listed = {k for r in rows for k in r if k not in ("per_repeat", "auto decisions")}
+    columns = sorted(listed, key=lambda k: (k != "workload", k))
     print_table(rows, columns)
 
 

@@ -205,6 +205,9 @@ def _from_directory(
     model = AutoModelForImageClassification.from_pretrained(
         directory, ignore_mismatched_sizes=True, **labels, **config_values
     )
+    # from_pretrained returns the model in eval mode, and Lightning trains modules in the mode it finds them:
+    # a fine-tune would run with BatchNorm's statistics frozen and dropout off. Built as every other model is.
+    model.train()
     return HuggingFaceClassifier(model, mean, std)
 
 
