@@ -1,8 +1,10 @@
-"""One max-pool case of test_which_pools_take_the_gather, in a fresh process with its own Inductor cache.
+"""The max-pool cases of test_which_pools_take_the_gather, in a fresh process with its own Inductor cache.
 
-Prints one JSON line: whether the generated backward holds a scatter, and the largest gradient difference
-from eager with its bound. A fresh process, because in a long pytest worker some earlier test's state made
-torch's scatter decomposition step aside (CI runs saw it for different cases, not reproducible alone)."""
+``python pool_gather_script.py tiles:channels_last tiles:nchw ...`` prints one JSON line per case: whether the
+generated backward holds a scatter, and the largest gradient difference from eager with its bound. A fresh
+process, because in a long pytest worker some earlier test's state made torch's scatter decomposition step
+aside (CI runs saw it for different cases, not reproducible alone); one process for all cases, because each
+start costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ class ConvPool(nn.Module):
         return self.pool(F.gelu(self.conv(x)))
 
 
-def main(pool: str, channels_last: bool) -> None:
-    cpu_inductor.CPU_TRAINING_OPTIONS["cpp_wrapper"] = False  # extern calls readable in the code
+def run_case(pool: str, channels_last: bool) -> dict:
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = ConvPool(POOLS[pool]).double()
     x = torch.randn(2, 3, 15, 15, dtype=torch.float64)
@@ -52,8 +54,11 @@ def main(pool: str, channels_last: bool) -> None:
     want = step(model)
     error = float((step(compiled) - want).abs().max())
     limit = bound(reduction_tolerance(torch.float64, network_length(model, x.shape)), want)
-    print(json.dumps({"scatter": "scatter" in "\n".join(codes), "error": error, "bound": limit}))
+    return {"scatter": "scatter" in "\n".join(codes), "error": error, "bound": limit}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "channels_last")
+    cpu_inductor.CPU_TRAINING_OPTIONS["cpp_wrapper"] = False  # extern calls readable in the code
+    for case in sys.argv[1:]:
+        pool, layout = case.split(":")
+        print(json.dumps({"case": case, **run_case(pool, layout == "channels_last")}), flush=True)

@@ -27,6 +27,7 @@ from lightning_plugin.compile.compiler import ModuleCompiler
 from lightning_plugin.compile.stats import CompileStats, make_backend
 from lightning_plugin.cpu import graph_passes as cpu_graph_passes
 from lightning_plugin.cpu import inductor as cpu_inductor
+from pool_gather_script import ConvPool
 
 CPU = torch.device("cpu")
 
@@ -111,36 +112,35 @@ def _backward_code(fn, *args):
     return "\n".join(codes)
 
 
-class _ConvPool(nn.Module):
-    def __init__(self, pool: nn.Module) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.pool = pool
+#: (pool, layout, whether the backward should gather): tiles in NCHW keep torch's scatter, the faster one
+#: there; overlapping windows are ResNet's stem.
+POOL_CASES = {
+    "tiles_channels_last": ("tiles", "channels_last", True),
+    "tiles_nchw": ("tiles", "nchw", False),
+    "overlapping": ("overlapping", "channels_last", False),
+}
 
-    def forward(self, x):
-        return self.pool(F.gelu(self.conv(x)))
 
-
-@pytest.mark.parametrize(
-    ("pool", "channels_last", "gathers"),
-    [
-        ("tiles", True, True),
-        ("tiles", False, False),  # NCHW: torch's scatter is the faster one there
-        ("overlapping", True, False),  # overlapping windows (ResNet's stem)
-    ],
-    ids=["tiles_channels_last", "tiles_nchw", "overlapping"],
-)
-def test_which_pools_take_the_gather(pool, channels_last, gathers, tmp_path):
-    """In a fresh process with an empty Inductor cache: in full CI runs, state left by some earlier test in
-    the worker made torch's scatter decomposition step aside for one case or another (never alone)."""
+@pytest.fixture(scope="module")
+def pool_reports(tmp_path_factory) -> dict[str, dict]:
+    """Every case in one fresh process with an empty Inductor cache: in full CI runs, state left by some
+    earlier test in the worker made torch's scatter decomposition step aside for one case or another (never
+    alone)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_gather_script.py")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    layout = "channels_last" if channels_last else "nchw"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("pool_inductor"))}
+    cases = [f"{pool}:{layout}" for pool, layout, _ in POOL_CASES.values()]
     done = subprocess.run(
-        [sys.executable, script, pool, layout], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, script, *cases], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {report.pop("case"): report for report in reports}
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_which_pools_take_the_gather(case, pool_reports):
+    pool, layout, gathers = POOL_CASES[case]
+    report = pool_reports[f"{pool}:{layout}"]
     assert (not report["scatter"]) == gathers
     assert report["error"] <= report["bound"], report
 
@@ -425,7 +425,7 @@ def test_graphs_compiled_with_the_passes_do_not_share_cache_entries_with_plain_o
 
     monkeypatch.setitem(cpu_graph_passes.REPLACEMENTS, op, spy)
     cpu_graph_passes.training_decompositions.cache_clear()
-    model = _ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
+    model = ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
     plain = torch._TorchCompileInductorWrapper(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
     try:
@@ -461,7 +461,7 @@ def test_graphs_compiled_with_the_passes_are_cached():
     pickle (some of torch's entries are C++ functions) made it bypass the FX graph cache for every graph."""
     from torch._dynamo.utils import counters
 
-    model = _ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
+    model = ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
     counters.clear()
     with (

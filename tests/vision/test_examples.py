@@ -41,13 +41,12 @@ def test_train_cifar10_other_recipe_and_errors():
 
 
 def test_train_imagefolder_smoke(capsys):
+    """A torchvision backbone by name through the example. Its default (the recipe's ResNet-50) trains in
+    test_recipes_run.py; compiling it here too cost a minute of CI for nothing the recipe test misses."""
     example = _load("examples/train_imagefolder.py")
-    assert 0.0 <= example.main(["--smoke"])["test/acc"] <= 1.0
-    assert "resnet50 on" in capsys.readouterr().out
-    # any torchvision name as backbone
-    assert (
-        0.0 <= example.main(["--smoke", "--model", "squeezenet1_1", "--image-size", "64"])["test/acc"] <= 1.0
-    )
+    result = example.main(["--smoke", "--model", "squeezenet1_1", "--image-size", "64"])
+    assert 0.0 <= result["test/acc"] <= 1.0
+    assert "squeezenet1_1 on" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--root DIR"):
         example.main([])
 

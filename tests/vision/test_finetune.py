@@ -153,6 +153,8 @@ def test_lcv_fit_from_a_weights_file_and_offline_pretrained(
         "false",
         "--test_after_fit",
         "false",
+        "--trainer.strategy.backend",
+        "aot_eager",  # the weights file is the subject, not Inductor's code (no C++ compile: quick)
     ]
     fit = run([*args, "--model.weights", str(tmp_path / "w.pt")])
     assert "loaded 120 tensors from" in caplog.text and "new 2-class head fc" in caplog.text
