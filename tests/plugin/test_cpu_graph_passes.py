@@ -137,6 +137,7 @@ def pool_reports(tmp_path_factory) -> dict[str, dict]:
     return {report.pop("case"): report for report in reports}
 
 
+@pytest.mark.xdist_group("pool_gather")  # one worker builds the module fixture (else each worker does)
 @pytest.mark.parametrize("case", list(POOL_CASES))
 def test_which_pools_take_the_gather(case, pool_reports):
     pool, layout, gathers = POOL_CASES[case]
