@@ -11,7 +11,9 @@ body is a few coordinates and a barrier wait per K step:
   are the descriptor's out-of-bounds zero fill, not masks (``MODE_CONV``);
 * stride-2 convs see the input as ``[N, H/2, 2, W/2, 2*C]`` (row parity and column parity become
   coordinates), so the same box walks every other row and column (``MODE_CONV_S2``; H, W even, C a
-  multiple of BLOCK_K).
+  multiple of BLOCK_K);
+* stride-2 convs whose C rows are not 16 bytes (the C=3 stem) are repacked space-to-depth (2x2: C=3 ->
+  12 channels padded to 16) and run as a stride-1 conv over that (``MODE_S2D``: 7x7/2 becomes 4x4/1).
 
 Each program loops over output tiles (persistent, ``NUM_PROGRAMS`` programs) and the K loop is software
 pipelined by Triton (``num_stages`` TMA stages in flight, mbarrier waits, wgmma). The output tile leaves
@@ -36,6 +38,9 @@ from lcv_kernels._triton import chan_merge, merge_channel_stats, tile_mean_m2, t
 MODE_GEMM = 0
 MODE_CONV = 1
 MODE_CONV_S2 = 2
+#: A host-side mode: a stride-2 conv whose C rows are not 16-byte aligned (the C=3 stem) runs as a
+#: stride-1 ``MODE_CONV`` over the space-to-depth input (:func:`s2d_geometry`).
+MODE_S2D = 3
 
 #: Hopper's SM count (H100/H200 SXM): the persistent grid's default size.
 HOPPER_SMS = 132
@@ -102,6 +107,8 @@ CONFIGS: dict[Shape, HopperConvConfig] = {
     (128, 28, 28, 256, 1, 2, 0): _conv((4, 8, 8), 64, 64, 4, 4),
     (256, 14, 14, 512, 3, 2, 1): _conv((2, 8, 8), 128, 128, 3, 4),
     (256, 14, 14, 512, 1, 2, 0): _conv((2, 8, 8), 128, 128, 3, 4),
+    # stems through space-to-depth (a 4x4 stride-1 conv over C=16; see s2d_geometry)
+    (3, 224, 224, 64, 7, 2, 3): _conv((1, 16, 16), 64, 16, 4, 4),
     # airbench94 (after the 2x2 whitening conv; batch 1024)
     (24, 31, 31, 64, 3, 1, 1): _conv((1, 16, 16), 64, 32, 4, 4),
     (64, 15, 15, 64, 3, 1, 1): _conv((1, 16, 16), 64, 64, 4, 4),
@@ -111,11 +118,77 @@ CONFIGS: dict[Shape, HopperConvConfig] = {
 }
 
 
+def s2d_channels(c: int) -> int:
+    """Channels of the space-to-depth input: the 4 parities x C, padded to a multiple of 16 (3 -> 16)."""
+    return cdiv(4 * c, 16) * 16
+
+
+def s2d_geometry(shape: Shape) -> tuple[Shape, int, int]:
+    """A stride-2 conv as a stride-1 conv over the space-to-depth (2x2) input: ``(shape', P, Q)``.
+
+    Input ``z[n, i, j, (b*2 + d)*C + c] = x[n, c, 2i + b, 2j + d]`` (zero past H, W and past 4C), of size
+    ``ceil(H/2) x ceil(W/2)``. With ``PZ = ceil(pad/2)`` and ``u = 2*PZ - pad``, input row
+    ``2p + r - pad = 2(p + a - PZ) + b`` where ``r + u = 2a + b``: an ``R' = ceil((R + u)/2)`` tap conv with
+    padding ``PZ`` whose weight is ``w'[k, (b*2 + d)*C + c, a, e] = w[k, c, 2a + b - u, 2e + d - u]`` (zero
+    where that tap is outside ``0..R-1``). The output keeps the original ``P x Q`` (the kernel takes P and Q
+    as given; a symmetric pad of PZ could make one more row, which is never computed)."""
+    c, h, w, k, r, stride, pad = shape
+    pz = (pad + 1) // 2
+    u = 2 * pz - pad
+    p, q = (h + 2 * pad - r) // 2 + 1, (w + 2 * pad - r) // 2 + 1
+    return (s2d_channels(c), cdiv(h, 2), cdiv(w, 2), k, cdiv(r + u, 2), 1, pz), p, q
+
+
+def space_to_depth(x: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H, W]`` -> channels_last ``[N, s2d_channels(C), ceil(H/2), ceil(W/2)]`` (see
+    :func:`s2d_geometry`): one copy of the input, which the stem's 16-byte TMA rows need anyway."""
+    n, c, h, w = x.shape
+    hz, wz = cdiv(h, 2), cdiv(w, 2)
+    z = x.new_zeros((n, hz, wz, 2, 2, c))
+    z[:, : h - h // 2, :, 0, 0] = x[:, :, 0::2, 0::2].permute(0, 2, 3, 1)
+    z[:, : h - h // 2, : w // 2, 0, 1] = x[:, :, 0::2, 1::2].permute(0, 2, 3, 1)
+    z[:, : h // 2, :, 1, 0] = x[:, :, 1::2, 0::2].permute(0, 2, 3, 1)
+    z[:, : h // 2, : w // 2, 1, 1] = x[:, :, 1::2, 1::2].permute(0, 2, 3, 1)
+    out = x.new_zeros((n, hz, wz, s2d_channels(c)))
+    out[..., : 4 * c] = z.reshape(n, hz, wz, 4 * c)
+    return out.permute(0, 3, 1, 2)
+
+
+def s2d_weight(weight: torch.Tensor, padding: int) -> torch.Tensor:
+    """``[K, C, R, R]`` of a stride-2 conv -> ``[K, s2d_channels(C), R', R']`` of the equivalent stride-1 conv
+    over :func:`space_to_depth`'s input (the mapping in :func:`s2d_geometry`)."""
+    k, c, r, _ = weight.shape
+    u = 2 * ((padding + 1) // 2) - padding
+    r2 = cdiv(r + u, 2)
+    # pad the taps to 2*R' (u zeros before, the rest after), then split each tap index into (a, b)
+    full = weight.new_zeros((k, c, 2 * r2, 2 * r2))
+    full[:, :, u : u + r, u : u + r] = weight
+    full = full.reshape(k, c, r2, 2, r2, 2).permute(0, 3, 5, 1, 2, 4).reshape(k, 4 * c, r2, r2)
+    out = weight.new_zeros((k, s2d_channels(c), r2, r2))
+    out[:, : 4 * c] = full
+    return out
+
+
+def kernel_geometry(shape: Shape) -> tuple[Shape, int, int, int]:
+    """``(the shape the kernel runs, its MODE_*, P, Q)``: the layer itself, or for ``MODE_S2D`` layers the
+    stride-1 conv over the space-to-depth input with the original output size."""
+    c, h, w, k, r, stride, pad = shape
+    if layer_mode(shape) == MODE_S2D:
+        inner, p, q = s2d_geometry(shape)
+        return inner, MODE_CONV, p, q
+    p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
+    return shape, layer_mode(shape), p, q
+
+
 def layer_mode(shape: Shape) -> int:
     """Which loop a layer shape takes, or raise naming why the TMA kernel cannot run it."""
     c, h, w, k, r, stride, pad = shape
-    if (c * 2) % 16 or (k * 2) % 16:
-        raise ValueError(f"TMA needs C and K multiples of 8 (16-byte rows), got C={c} K={k}")
+    if (k * 2) % 16:
+        raise ValueError(f"TMA needs K a multiple of 8 (16-byte rows), got K={k}")
+    if (c * 2) % 16:
+        if stride == 2:
+            return MODE_S2D
+        raise ValueError(f"TMA needs C a multiple of 8 (16-byte rows) below stride 2, got C={c}")
     if r == 1 and stride == 1 and pad == 0:
         return MODE_GEMM
     if stride == 1:
@@ -134,6 +207,8 @@ def select_config(shape: Shape) -> HopperConvConfig:
     for C <= 32), 4 stages, 8 warps; a square spatial tile of 128 positions for the conv modes."""
     if shape in CONFIGS:
         return CONFIGS[shape]
+    if layer_mode(shape) == MODE_S2D:
+        return _conv((1, 8, 16), 64 if shape[3] <= 64 else 128, 16, 4, 4)
     c, _, _, k, _, _, _ = shape
     bk = 32 if c <= 32 else 64
     if layer_mode(shape) == MODE_GEMM:
@@ -143,8 +218,8 @@ def select_config(shape: Shape) -> HopperConvConfig:
 
 def check_config(shape: Shape, config: HopperConvConfig) -> None:
     """Raise naming the first rule a config breaks for a shape (tile sizes TMA and wgmma accept)."""
+    shape, mode, _, _ = kernel_geometry(shape)
     c = shape[0]
-    mode = layer_mode(shape)
     for name, value in (
         ("block_m", config.block_m),
         ("block_n", config.block_n),
@@ -368,19 +443,22 @@ def _conv_hopper_kernel(
 
 #: Packed weights by ``id`` of the weight tensor: (a weak reference to it, its version, the packing). The
 #: reference guards against a new tensor reusing a freed one's id or memory with the same version count.
-_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+_PACKED: dict[tuple[int, int | None], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, s2d_padding: int | None = None) -> torch.Tensor:
     """``[K, C, R, S]`` -> ``[K, R*S*C]`` (tap-major K dimension, channels contiguous), cached per weight
-    tensor and version (an optimizer step bumps it) so a training step packs once, not once a call."""
-    entry = _PACKED.get(id(weight))
+    tensor and version (an optimizer step bumps it) so a training step packs once, not once a call. With
+    ``s2d_padding`` the weight is first rewritten for the space-to-depth input (:func:`s2d_weight`)."""
+    key = (id(weight), s2d_padding)
+    entry = _PACKED.get(key)
     if entry is not None and entry[0]() is weight and entry[1] == weight._version:
         return entry[2]
-    packed = weight.detach().permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
-    for key in [key for key, (ref, _, _) in _PACKED.items() if ref() is None]:
-        del _PACKED[key]
-    _PACKED[id(weight)] = (weakref.ref(weight), weight._version, packed)
+    source = weight.detach() if s2d_padding is None else s2d_weight(weight.detach(), s2d_padding)
+    packed = source.permute(0, 2, 3, 1).reshape(source.shape[0], -1).contiguous()
+    for dead in [dead for dead, (ref, _, _) in _PACKED.items() if ref() is None]:
+        del _PACKED[dead]
+    _PACKED[key] = (weakref.ref(weight), weight._version, packed)
     return packed
 
 
@@ -448,10 +526,15 @@ def _launch(
     n, c, h, w = x.shape
     k, _, r, _ = weight.shape
     shape = (c, h, w, k, r, stride, padding)
-    mode = layer_mode(shape)
     config = config or select_config(shape)
     check_config(shape, config)
-    p, q = (h + 2 * padding - r) // stride + 1, (w + 2 * padding - r) // stride + 1
+    inner, mode, p, q = kernel_geometry(shape)
+    if layer_mode(shape) == MODE_S2D:
+        packed = pack_weight(weight, s2d_padding=padding)
+        x = space_to_depth(x)
+        c, h, w, _, r, _, padding = inner
+    else:
+        packed = pack_weight(weight)
     y = torch.empty((n, k, p, q), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     _SCRATCH_DEVICE[0] = x.device
     triton.set_allocator(_allocate_scratch)
@@ -470,7 +553,7 @@ def _launch(
     dummy = parts[0] if parts else y
     _conv_hopper_kernel[grid](
         x,
-        pack_weight(weight),
+        packed,
         y,
         *(parts or (dummy, dummy, dummy)),
         n,

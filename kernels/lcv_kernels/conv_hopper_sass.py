@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-from lcv_kernels.conv_hopper import HOPPER_SMS, HopperConvConfig, Shape, check_config, layer_mode
+from lcv_kernels.conv_hopper import HOPPER_SMS, HopperConvConfig, Shape, check_config, kernel_geometry
 
 #: The bar from issue 38 for every table row.
 MAX_INSTRUCTIONS_PER_8_HGMMA = 140
@@ -149,12 +149,11 @@ def _tool(name: str) -> str:
 
 
 def _constexprs(shape: Shape, config: HopperConvConfig, num_programs: int) -> dict[str, Any]:
-    c, h, w, k, r, stride, pad = shape
-    p = (h + 2 * pad - r) // stride + 1
-    q = (w + 2 * pad - r) // stride + 1
+    inner, mode, p, q = kernel_geometry(shape)  # the stem: the space-to-depth conv, its P and Q
+    c, h, w, k, r, _, pad = inner
     tn, th, tw = config.tile
     return dict(
-        H=h, W=w, C=c, K=k, R=r, S=r, PAD_H=pad, PAD_W=pad, P=p, Q=q, MODE=layer_mode(shape),
+        H=h, W=w, C=c, K=k, R=r, S=r, PAD_H=pad, PAD_W=pad, P=p, Q=q, MODE=mode,
         TN=tn, TH=th, TW=tw, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_PROGRAMS=num_programs, STAGES=config.num_stages,
     )  # fmt: skip

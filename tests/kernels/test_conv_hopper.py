@@ -25,15 +25,20 @@ from lcv_kernels.conv_hopper import (
     MODE_CONV,
     MODE_CONV_S2,
     MODE_GEMM,
+    MODE_S2D,
     HopperConvConfig,
     check_config,
     conv_hopper,
     conv_hopper_stats,
+    kernel_geometry,
     layer_mode,
     merge_grid,
     merge_stats,
     pack_weight,
+    s2d_geometry,
+    s2d_weight,
     select_config,
+    space_to_depth,
 )
 from lcv_kernels.conv_hopper_sass import analyse_sass, bar_failures, ctas_per_sm
 from lcv_kernels.tolerances import bound, reduction_tolerance, tolerance
@@ -64,6 +69,9 @@ CASES = [
     (2, 16, 6, 8, 24, 3, 2, 1, _conv((2, 1, 8), 16, 16)),
     (1, 16, 6, 8, 16, 1, 2, 0, _conv((1, 2, 8), 16, 16)),
     (2, 8, 1, 6, 16, 3, 1, 1, _conv((2, 1, 8), 16, 16)),  # H=1: every row above and below is padding
+    # the C=3 stem through space-to-depth (a 4x4/1 conv over C=16): N=1 with odd H and W; N=2, TN=2
+    (1, 3, 7, 9, 8, 7, 2, 3, _conv((1, 2, 8), 16, 16)),
+    (2, 3, 6, 5, 16, 7, 2, 3, _conv((2, 2, 4), 16, 16)),
 ]
 
 
@@ -89,8 +97,12 @@ def test_modes_and_clear_errors() -> None:
     assert layer_mode((64, 56, 56, 256, 1, 1, 0)) == MODE_GEMM
     assert layer_mode((64, 56, 56, 64, 3, 1, 1)) == MODE_CONV
     assert layer_mode((128, 56, 56, 128, 3, 2, 1)) == MODE_CONV_S2
-    with pytest.raises(ValueError, match="multiples of 8"):
-        layer_mode((3, 224, 224, 64, 7, 2, 3))  # the stem: C=3 rows are not 16-byte aligned
+    assert layer_mode((3, 224, 224, 64, 7, 2, 3)) == MODE_S2D  # C=3 rows are not 16 bytes: space-to-depth
+    assert kernel_geometry((3, 224, 224, 64, 7, 2, 3)) == ((16, 112, 112, 64, 4, 1, 2), MODE_CONV, 112, 112)
+    with pytest.raises(ValueError, match="C a multiple of 8"):
+        layer_mode((3, 224, 224, 64, 3, 1, 1))
+    with pytest.raises(ValueError, match="K a multiple of 8"):
+        layer_mode((64, 56, 56, 3, 1, 1, 0))
     with pytest.raises(ValueError, match="even H and W"):
         layer_mode((64, 7, 7, 64, 3, 2, 1))
     with pytest.raises(ValueError, match="stride 3"):
@@ -99,6 +111,32 @@ def test_modes_and_clear_errors() -> None:
         check_config((24, 8, 8, 32, 3, 2, 1), HopperConvConfig(128, 64, 32, 2, 4, (1, 8, 16)))
     with pytest.raises(ValueError, match="channels_last"):
         conv_hopper(torch.zeros(1, 8, 4, 4), torch.zeros(8, 8, 1, 1))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    # (N, C, H, W, K, R, padding), stride 2: the 7x7/3 stem at odd and even sizes and at H=1; other
+    # kernels and paddings (3x3/1, 1x1/0, 5x5/2, 2x2/0) whose s2d tap count and padding differ
+    [(1, 3, 7, 9, 4, 7, 3), (2, 3, 6, 5, 4, 7, 3), (1, 3, 1, 4, 4, 7, 3), (1, 5, 8, 7, 4, 3, 1),
+     (1, 3, 5, 5, 4, 1, 0), (2, 2, 9, 6, 4, 5, 2), (1, 3, 6, 7, 4, 2, 0)],
+    ids=lambda s: "N{}C{}H{}W{}K{}k{}p{}".format(*s),
+)  # fmt: skip
+def test_space_to_depth_rewrite_is_the_stride_2_conv(shape: tuple[int, ...]) -> None:
+    """The exact index mapping of :func:`s2d_geometry`, in float64 eager (no kernel): the stride-1 conv of
+    the rewritten weight over the space-to-depth input, cut to the original P x Q, is ``conv2d(stride=2)``."""
+    n, c, h, w, k, r, pad = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64)
+    weight = torch.randn(k, c, r, r, generator=gen, dtype=torch.float64)
+    ref = F.conv2d(x, weight, stride=2, padding=pad)
+    inner, p, q = s2d_geometry((c, h, w, k, r, 2, pad))
+    z = space_to_depth(x)
+    assert z.shape == (n, inner[0], inner[1], inner[2]) and z.is_contiguous(memory_format=torch.channels_last)
+    assert inner[0] % 16 == 0 and (p, q) == ref.shape[2:]
+    w2 = s2d_weight(weight, pad)
+    assert w2.shape == (k, inner[0], inner[4], inner[4])
+    y = F.conv2d(z, w2, padding=inner[6])[:, :, :p, :q]
+    assert torch.allclose(y, ref, atol=1e-12, rtol=1e-12)
 
 
 def test_table_is_valid_and_block_n_not_bounded_by_c() -> None:
@@ -196,7 +234,9 @@ def test_representative_configs_meet_the_sass_bar_for_sm90a() -> None:
 
 @requires_interpreter
 @pytest.mark.parametrize("offset", [0.0, 30.0, 300.0, 1000.0])
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]], ids=["gemm", "conv", "conv_s2"])
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[3], CASES[5], CASES[-1]], ids=["gemm", "conv", "conv_s2", "stem_s2d"]
+)
 def test_epilogue_statistics_match_float64_at_large_means(case: tuple, offset: float) -> None:
     """Per-tile (count, mean, M2) from the epilogue, merged in two fixed-order levels: the mean (relative to
     the spread) and the biased variance within the BN tolerance at means of 0 to 1000, bit-identical on a
