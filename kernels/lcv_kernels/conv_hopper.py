@@ -107,8 +107,8 @@ CONFIGS: dict[Shape, HopperConvConfig] = {
     (128, 28, 28, 256, 1, 2, 0): _conv((4, 8, 8), 64, 64, 4, 4),
     (256, 14, 14, 512, 3, 2, 1): _conv((2, 8, 8), 128, 128, 3, 4),
     (256, 14, 14, 512, 1, 2, 0): _conv((2, 8, 8), 128, 128, 3, 4),
-    # stems through space-to-depth (a 4x4 stride-1 conv over C=16; see s2d_geometry)
-    (3, 224, 224, 64, 7, 2, 3): _conv((1, 16, 16), 64, 16, 4, 4),
+    # the stem through space-to-depth: a 4x1 conv over 64 channels (see kernel_geometry)
+    (3, 224, 224, 64, 7, 2, 3): _conv((1, 16, 16), 64, 64, 4, 4),
     # airbench94 (after the 2x2 whitening conv; batch 1024)
     (24, 31, 31, 64, 3, 1, 1): _conv((1, 16, 16), 64, 32, 4, 4),
     (64, 15, 15, 64, 3, 1, 1): _conv((1, 16, 16), 64, 64, 4, 4),
@@ -169,15 +169,54 @@ def s2d_weight(weight: torch.Tensor, padding: int) -> torch.Tensor:
     return out
 
 
-def kernel_geometry(shape: Shape) -> tuple[Shape, int, int, int]:
-    """``(the shape the kernel runs, its MODE_*, P, Q)``: the layer itself, or for ``MODE_S2D`` layers the
-    stride-1 conv over the space-to-depth input with the original output size."""
+def fold_columns(z: torch.Tensor, taps: int, pad: int, q: int) -> torch.Tensor:
+    """Fold a stride-1 conv's ``taps`` column taps into channels: channels_last ``[N, C, H, W]`` ->
+    ``[N, taps*C, H, q]`` with channel ``e*C + c`` at column j holding ``z[..., c, :, j + e - pad]`` (zero
+    outside). The ``taps x taps`` conv becomes ``taps x 1`` (no column padding) over ``taps*C`` channels:
+    BLOCK_K 64 K steps instead of 16-channel ones (one 16-channel K step costs ~120 SASS instructions for 4
+    HGMMA), at the price of an input ``taps`` times larger."""
+    n, c, h, w = z.shape
+    padded = torch.nn.functional.pad(z, (pad, max(0, q + taps - 1 - pad - w)))
+    cols = [padded[..., e : e + q] for e in range(taps)]
+    return torch.cat(cols, dim=1).contiguous(memory_format=torch.channels_last)
+
+
+def fold_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[K, C, R, S]`` -> ``[K, S*C, R, 1]`` with channel ``e*C + c`` = tap column ``e`` of channel ``c``:
+    the weight of :func:`fold_columns`' input."""
+    k, c, r, taps = weight.shape
+    return weight.permute(0, 3, 1, 2).reshape(k, taps * c, r, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelGeometry:
+    """What the kernel runs for a layer: its input (C, H, W), K, an R x S kernel with row/column padding,
+    the output P x Q and the ``MODE_*``."""
+
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    pad_h: int
+    pad_w: int
+    p: int
+    q: int
+    mode: int
+
+
+def kernel_geometry(shape: Shape) -> KernelGeometry:
+    """The layer itself, or for ``MODE_S2D`` layers the space-to-depth conv (:func:`s2d_geometry`) with its
+    column taps folded into channels (:func:`fold_columns`): the stem's 7x7/2 over C=3 runs as a 4x1/1 conv
+    over 4 x 16 = 64 channels, keeping the original P x Q."""
     c, h, w, k, r, stride, pad = shape
-    if layer_mode(shape) == MODE_S2D:
-        inner, p, q = s2d_geometry(shape)
-        return inner, MODE_CONV, p, q
+    mode = layer_mode(shape)
+    if mode == MODE_S2D:
+        (c2, h2, _, _, r2, _, pad2), p, q = s2d_geometry(shape)
+        return KernelGeometry(r2 * c2, h2, q, k, r2, 1, pad2, 0, p, q, MODE_CONV)
     p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
-    return shape, layer_mode(shape), p, q
+    return KernelGeometry(c, h, w, k, r, r, pad, pad, p, q, mode)
 
 
 def layer_mode(shape: Shape) -> int:
@@ -208,7 +247,7 @@ def select_config(shape: Shape) -> HopperConvConfig:
     if shape in CONFIGS:
         return CONFIGS[shape]
     if layer_mode(shape) == MODE_S2D:
-        return _conv((1, 8, 16), 64 if shape[3] <= 64 else 128, 16, 4, 4)
+        return _conv((1, 16, 16), 64, 64, 4, 4)
     c, _, _, k, _, _, _ = shape
     bk = 32 if c <= 32 else 64
     if layer_mode(shape) == MODE_GEMM:
@@ -218,8 +257,8 @@ def select_config(shape: Shape) -> HopperConvConfig:
 
 def check_config(shape: Shape, config: HopperConvConfig) -> None:
     """Raise naming the first rule a config breaks for a shape (tile sizes TMA and wgmma accept)."""
-    shape, mode, _, _ = kernel_geometry(shape)
-    c = shape[0]
+    geometry = kernel_geometry(shape)
+    c, mode = geometry.c, geometry.mode
     for name, value in (
         ("block_m", config.block_m),
         ("block_n", config.block_n),
@@ -449,12 +488,15 @@ _PACKED: dict[tuple[int, int | None], tuple[weakref.ref[torch.Tensor], int, torc
 def pack_weight(weight: torch.Tensor, s2d_padding: int | None = None) -> torch.Tensor:
     """``[K, C, R, S]`` -> ``[K, R*S*C]`` (tap-major K dimension, channels contiguous), cached per weight
     tensor and version (an optimizer step bumps it) so a training step packs once, not once a call. With
-    ``s2d_padding`` the weight is first rewritten for the space-to-depth input (:func:`s2d_weight`)."""
+    ``s2d_padding`` the weight is first rewritten for the space-to-depth input (:func:`s2d_weight`, then
+    :func:`fold_weight`)."""
     key = (id(weight), s2d_padding)
     entry = _PACKED.get(key)
     if entry is not None and entry[0]() is weight and entry[1] == weight._version:
         return entry[2]
-    source = weight.detach() if s2d_padding is None else s2d_weight(weight.detach(), s2d_padding)
+    source = weight.detach()
+    if s2d_padding is not None:
+        source = fold_weight(s2d_weight(source, s2d_padding))
     packed = source.permute(0, 2, 3, 1).reshape(source.shape[0], -1).contiguous()
     for dead in [dead for dead, (ref, _, _) in _PACKED.items() if ref() is None]:
         del _PACKED[dead]
@@ -528,11 +570,11 @@ def _launch(
     shape = (c, h, w, k, r, stride, padding)
     config = config or select_config(shape)
     check_config(shape, config)
-    inner, mode, p, q = kernel_geometry(shape)
+    g = kernel_geometry(shape)
+    mode, p, q = g.mode, g.p, g.q
     if layer_mode(shape) == MODE_S2D:
         packed = pack_weight(weight, s2d_padding=padding)
-        x = space_to_depth(x)
-        c, h, w, _, r, _, padding = inner
+        x = fold_columns(space_to_depth(x), g.r, g.pad_h, q)  # square: the column padding is the row's
     else:
         packed = pack_weight(weight)
     y = torch.empty((n, k, p, q), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
@@ -541,7 +583,7 @@ def _launch(
     tn, th, tw = config.tile
     m_tiles = cdiv(n, tn) * cdiv(p, th) * cdiv(q, tw)
     if mode == MODE_GEMM:
-        m_tiles = cdiv(n * h * w, config.block_m)
+        m_tiles = cdiv(n * g.h * g.w, config.block_m)
     grid = (max(1, min(num_programs, m_tiles * cdiv(k, config.block_n))),)
     parts = None
     if stats:
@@ -557,14 +599,14 @@ def _launch(
         y,
         *(parts or (dummy, dummy, dummy)),
         n,
-        H=h,
-        W=w,
-        C=c,
+        H=g.h,
+        W=g.w,
+        C=g.c,
         K=k,
-        R=r,
-        S=r,
-        PAD_H=padding,
-        PAD_W=padding,
+        R=g.r,
+        S=g.s,
+        PAD_H=g.pad_h,
+        PAD_W=g.pad_w,
         P=p,
         Q=q,
         MODE=mode,

@@ -149,11 +149,10 @@ def _tool(name: str) -> str:
 
 
 def _constexprs(shape: Shape, config: HopperConvConfig, num_programs: int) -> dict[str, Any]:
-    inner, mode, p, q = kernel_geometry(shape)  # the stem: the space-to-depth conv, its P and Q
-    c, h, w, k, r, _, pad = inner
+    g = kernel_geometry(shape)  # the stem: the space-to-depth conv with its column taps folded
     tn, th, tw = config.tile
     return dict(
-        H=h, W=w, C=c, K=k, R=r, S=r, PAD_H=pad, PAD_W=pad, P=p, Q=q, MODE=mode,
+        H=g.h, W=g.w, C=g.c, K=g.k, R=g.r, S=g.s, PAD_H=g.pad_h, PAD_W=g.pad_w, P=g.p, Q=g.q, MODE=g.mode,
         TN=tn, TH=th, TW=tw, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_PROGRAMS=num_programs, STAGES=config.num_stages,
     )  # fmt: skip

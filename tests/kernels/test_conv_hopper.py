@@ -30,6 +30,8 @@ from lcv_kernels.conv_hopper import (
     check_config,
     conv_hopper,
     conv_hopper_stats,
+    fold_columns,
+    fold_weight,
     kernel_geometry,
     layer_mode,
     merge_grid,
@@ -71,7 +73,7 @@ CASES = [
     (2, 8, 1, 6, 16, 3, 1, 1, _conv((2, 1, 8), 16, 16)),  # H=1: every row above and below is padding
     # the C=3 stem through space-to-depth (a 4x4/1 conv over C=16): N=1 with odd H and W; N=2, TN=2
     (1, 3, 7, 9, 8, 7, 2, 3, _conv((1, 2, 8), 16, 16)),
-    (2, 3, 6, 5, 16, 7, 2, 3, _conv((2, 2, 4), 16, 16)),
+    (2, 3, 6, 5, 16, 7, 2, 3, _conv((2, 2, 4), 16, 32)),
 ]
 
 
@@ -98,7 +100,9 @@ def test_modes_and_clear_errors() -> None:
     assert layer_mode((64, 56, 56, 64, 3, 1, 1)) == MODE_CONV
     assert layer_mode((128, 56, 56, 128, 3, 2, 1)) == MODE_CONV_S2
     assert layer_mode((3, 224, 224, 64, 7, 2, 3)) == MODE_S2D  # C=3 rows are not 16 bytes: space-to-depth
-    assert kernel_geometry((3, 224, 224, 64, 7, 2, 3)) == ((16, 112, 112, 64, 4, 1, 2), MODE_CONV, 112, 112)
+    stem = kernel_geometry((3, 224, 224, 64, 7, 2, 3))  # 4x4/1 pad 2 over C=16, column taps folded
+    assert (stem.c, stem.h, stem.w, stem.r, stem.s, stem.pad_h, stem.pad_w) == (64, 112, 112, 4, 1, 2, 0)
+    assert (stem.p, stem.q, stem.mode) == (112, 112, MODE_CONV)
     with pytest.raises(ValueError, match="C a multiple of 8"):
         layer_mode((3, 224, 224, 64, 3, 1, 1))
     with pytest.raises(ValueError, match="K a multiple of 8"):
@@ -137,6 +141,10 @@ def test_space_to_depth_rewrite_is_the_stride_2_conv(shape: tuple[int, ...]) -> 
     assert w2.shape == (k, inner[0], inner[4], inner[4])
     y = F.conv2d(z, w2, padding=inner[6])[:, :, :p, :q]
     assert torch.allclose(y, ref, atol=1e-12, rtol=1e-12)
+    # what the kernel runs: the column taps folded into channels, an R' x 1 conv padded on rows only
+    folded = fold_columns(z, inner[4], inner[6], q)
+    y = F.conv2d(folded, fold_weight(w2), padding=(inner[6], 0))[:, :, :p]
+    assert folded.shape[1] == inner[4] * inner[0] and torch.allclose(y, ref, atol=1e-12, rtol=1e-12)
 
 
 def test_table_is_valid_and_block_n_not_bounded_by_c() -> None:
