@@ -95,6 +95,41 @@ def test_matches_float64_conv2d_in_the_interpreter(case: tuple, dtype: torch.dty
     assert err <= limit, f"max error {err} > {limit}"
 
 
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_bn_relu_prologue_matches_float64_in_the_interpreter(dtype: torch.dtype) -> None:
+    """``prologue=(scale, shift)`` on the 1x1 path: ``conv(relu(x * scale + shift))`` against float64 eager,
+    with shifts of both signs (some channels mostly zeroed by the ReLU), C=24 under BLOCK_K 32 (channels past
+    C must stay 0) and M=50 rows under 16-row tiles (rows past M must not leak into y or the statistics)."""
+    n, c, h, w, k = 2, 24, 5, 5, 16
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(n, c, h, w, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(k, c, 1, 1, generator=gen).to(dtype)
+    scale = torch.rand(c, generator=gen) * 2.0 + 0.25
+    shift = torch.randn(c, generator=gen)
+    config = HopperConvConfig(16, 16, 32, 2, 4)
+    y, mean, var = conv_hopper_stats(x, weight, config=config, num_programs=3, prologue=(scale, shift))
+    # the kernel rounds scale and shift to the input dtype once (as a bf16/fp16 BN output would be rounded)
+    s64, b64 = scale.to(dtype).double(), shift.to(dtype).double()
+    z = torch.relu(x.double() * s64[None, :, None, None] + b64[None, :, None, None])
+    ref = F.conv2d(z, weight.double())
+    # one extra rounding of the activated input (to the input dtype) before the reduction
+    limit = bound(reduction_tolerance(dtype, c), ref) + bound(reduction_tolerance(dtype, 1), z) * c
+    assert (y.double() - ref).abs().max().item() <= limit
+    assert torch.allclose(y, conv_hopper(x, weight, config=config, num_programs=3, prologue=(scale, shift)))
+    # statistics of the fp32 accumulator: every element within `limit` of ref, so the mean is too and the
+    # variance within 2 * limit * max|ref - mean| + limit^2 (plus the BN tolerance of the merge)
+    e_var, e_mean = torch.var_mean(ref, dim=(0, 2, 3), unbiased=False)
+    spread = (ref - e_mean[None, :, None, None]).abs().amax(dim=(0, 2, 3))
+    atol, rtol = tolerance("norm", torch.float32)
+    assert ((mean.double() - e_mean).abs() <= limit + atol).all()
+    assert ((var.double() - e_var).abs() <= 2 * limit * spread + limit**2 + atol + rtol * e_var).all()
+    with pytest.raises(ValueError, match="1x1 stride-1"):
+        conv_hopper(x, torch.zeros(k, c, 3, 3, dtype=dtype), padding=1, prologue=(scale, shift))
+    with pytest.raises(ValueError, match="fp32"):
+        conv_hopper(x, weight, prologue=(scale.double(), shift))
+
+
 def test_modes_and_clear_errors() -> None:
     assert layer_mode((64, 56, 56, 256, 1, 1, 0)) == MODE_GEMM
     assert layer_mode((64, 56, 56, 64, 3, 1, 1)) == MODE_CONV
