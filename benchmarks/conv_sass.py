@@ -4,8 +4,9 @@ No GPU is needed or used: each config is compiled for sm_90a with Triton's own p
 (``lcv_kernels.conv_hopper_sass``). Runs once per triton: the one in this environment, and each
 ``--triton DIR`` (a folder made with ``pip install --no-deps --target DIR triton==3.6.0``, put first on
 PYTHONPATH in a subprocess). Writes ``benchmarks/results/conv-sass.json``: per row the shape, config,
-triton, with or without the BatchNorm statistics epilogue, registers, instructions per 8 HGMMA in the K
-loop, shared memory, CTAs/SM, HGMMA/UTMALDG/LDGSTS/LDG counts, spills and the bar failures (issue 38).
+triton, with or without the BatchNorm statistics epilogue and (1x1s) the BN+ReLU prologue, registers,
+instructions per 8 HGMMA in the K loop, shared memory, CTAs/SM, HGMMA/UTMALDG/LDGSTS/LDG counts, spills and
+the bar failures (issue 38).
 These are compile-time facts, not timings: "not measured on GPU".
 
     python benchmarks/conv_sass.py --triton /work/triton36
@@ -26,15 +27,18 @@ from _common import print_table, write_results  # noqa: E402
 
 _WORKER = """
 import json, sys
-from lcv_kernels.conv_hopper import CONFIGS
+from lcv_kernels.conv_hopper import CONFIGS, MODE_GEMM, layer_mode
 from lcv_kernels.conv_hopper_sass import sass_row
-for stats, (shape, config) in [(s, item) for s in (False, True) for item in CONFIGS.items()]:
+jobs = [(s, False, item) for s in (False, True) for item in CONFIGS.items()]
+# the BN+ReLU prologue (1x1 stride-1 convs only), alone and with the statistics epilogue (the chain link)
+jobs += [(s, True, item) for s in (False, True) for item in CONFIGS.items() if layer_mode(item[0]) == MODE_GEMM]
+for stats, prologue, (shape, config) in jobs:
     try:
-        row = sass_row(shape, config, stats=stats)
+        row = sass_row(shape, config, stats=stats, prologue=prologue)
     except Exception as err:  # a compile failure is a row, not the end of the table
         import triton
         row = {"shape": list(shape), "config": config.describe(), "triton": triton.__version__, "stats": stats,
-               "error": repr(err)[:500], "bar_failures": ["did not compile"]}
+               "prologue": prologue, "error": repr(err)[:500], "bar_failures": ["did not compile"]}
     print(json.dumps(row), flush=True)
 """
 
@@ -61,12 +65,18 @@ def main() -> None:
         rows.extend(run_table(triton_dir))
     for row in rows:
         row["meets_bar"] = not row["bar_failures"]
+
+    def kind(r: dict[str, Any]) -> tuple[str, bool, bool]:
+        return r["triton"], r["stats"], r.get("prologue", False)
+
     summary = {
-        f"triton {triton}, {'with' if stats else 'without'} the statistics epilogue": (
-            f"{sum(r['meets_bar'] for r in rows if (r['triton'], r['stats']) == (triton, stats))}/"
-            f"{sum((r['triton'], r['stats']) == (triton, stats) for r in rows)} rows meet the bar"
+        f"triton {triton}, {'with' if stats else 'without'} the statistics epilogue"
+        f"{', with the BN+ReLU prologue' if prologue else ''}": (
+            f"{sum(r['meets_bar'] for r in rows if kind(r) == (triton, stats, prologue))}/"
+            f"{sum(kind(r) == (triton, stats, prologue) for r in rows)} rows meet the bar"
         )
         for triton in dict.fromkeys(r["triton"] for r in rows)
+        for prologue in (False, True)
         for stats in (False, True)
     }
     payload = {
@@ -83,6 +93,7 @@ def main() -> None:
         [
             "triton",
             "stats",
+            "prologue",
             "shape",
             "config",
             "registers",

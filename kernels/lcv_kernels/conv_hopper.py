@@ -11,7 +11,9 @@ body is a few coordinates and a barrier wait per K step:
   are the descriptor's out-of-bounds zero fill, not masks (``MODE_CONV``);
 * stride-2 convs see the input as ``[N, H/2, 2, W/2, 2*C]`` (row parity and column parity become
   coordinates), so the same box walks every other row and column (``MODE_CONV_S2``; H, W even, C a
-  multiple of BLOCK_K).
+  multiple of BLOCK_K);
+* stride-2 convs whose C rows are not 16 bytes (the C=3 stem) are repacked space-to-depth (2x2: C=3 ->
+  12 channels padded to 16) and run as a stride-1 conv over that (``MODE_S2D``: 7x7/2 becomes 4x4/1).
 
 Each program loops over output tiles (persistent, ``NUM_PROGRAMS`` programs) and the K loop is software
 pipelined by Triton (``num_stages`` TMA stages in flight, mbarrier waits, wgmma). The output tile leaves
@@ -30,12 +32,15 @@ from typing import Any
 
 import torch
 
-from lcv_kernels._common import cdiv
+from lcv_kernels._common import cdiv, interpreter_enabled
 from lcv_kernels._triton import chan_merge, merge_channel_stats, tile_mean_m2, tl, triton
 
 MODE_GEMM = 0
 MODE_CONV = 1
 MODE_CONV_S2 = 2
+#: A host-side mode: a stride-2 conv whose C rows are not 16-byte aligned (the C=3 stem) runs as a
+#: stride-1 ``MODE_CONV`` over the space-to-depth input (:func:`s2d_geometry`).
+MODE_S2D = 3
 
 #: Hopper's SM count (H100/H200 SXM): the persistent grid's default size.
 HOPPER_SMS = 132
@@ -102,6 +107,8 @@ CONFIGS: dict[Shape, HopperConvConfig] = {
     (128, 28, 28, 256, 1, 2, 0): _conv((4, 8, 8), 64, 64, 4, 4),
     (256, 14, 14, 512, 3, 2, 1): _conv((2, 8, 8), 128, 128, 3, 4),
     (256, 14, 14, 512, 1, 2, 0): _conv((2, 8, 8), 128, 128, 3, 4),
+    # the stem through space-to-depth: a 4x1 conv over 64 channels (see kernel_geometry)
+    (3, 224, 224, 64, 7, 2, 3): _conv((1, 16, 16), 64, 64, 4, 4),
     # airbench94 (after the 2x2 whitening conv; batch 1024)
     (24, 31, 31, 64, 3, 1, 1): _conv((1, 16, 16), 64, 32, 4, 4),
     (64, 15, 15, 64, 3, 1, 1): _conv((1, 16, 16), 64, 64, 4, 4),
@@ -111,11 +118,116 @@ CONFIGS: dict[Shape, HopperConvConfig] = {
 }
 
 
+def s2d_channels(c: int) -> int:
+    """Channels of the space-to-depth input: the 4 parities x C, padded to a multiple of 16 (3 -> 16)."""
+    return cdiv(4 * c, 16) * 16
+
+
+def s2d_geometry(shape: Shape) -> tuple[Shape, int, int]:
+    """A stride-2 conv as a stride-1 conv over the space-to-depth (2x2) input: ``(shape', P, Q)``.
+
+    Input ``z[n, i, j, (b*2 + d)*C + c] = x[n, c, 2i + b, 2j + d]`` (zero past H, W and past 4C), of size
+    ``ceil(H/2) x ceil(W/2)``. With ``PZ = ceil(pad/2)`` and ``u = 2*PZ - pad``, input row
+    ``2p + r - pad = 2(p + a - PZ) + b`` where ``r + u = 2a + b``: an ``R' = ceil((R + u)/2)`` tap conv with
+    padding ``PZ`` whose weight is ``w'[k, (b*2 + d)*C + c, a, e] = w[k, c, 2a + b - u, 2e + d - u]`` (zero
+    where that tap is outside ``0..R-1``). The output keeps the original ``P x Q`` (the kernel takes P and Q
+    as given; a symmetric pad of PZ could make one more row, which is never computed)."""
+    c, h, w, k, r, stride, pad = shape
+    pz = (pad + 1) // 2
+    u = 2 * pz - pad
+    p, q = (h + 2 * pad - r) // 2 + 1, (w + 2 * pad - r) // 2 + 1
+    return (s2d_channels(c), cdiv(h, 2), cdiv(w, 2), k, cdiv(r + u, 2), 1, pz), p, q
+
+
+def space_to_depth(x: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H, W]`` -> channels_last ``[N, s2d_channels(C), ceil(H/2), ceil(W/2)]`` (see
+    :func:`s2d_geometry`): one copy of the input, which the stem's 16-byte TMA rows need anyway."""
+    n, c, h, w = x.shape
+    hz, wz = cdiv(h, 2), cdiv(w, 2)
+    z = x.new_zeros((n, hz, wz, 2, 2, c))
+    z[:, : h - h // 2, :, 0, 0] = x[:, :, 0::2, 0::2].permute(0, 2, 3, 1)
+    z[:, : h - h // 2, : w // 2, 0, 1] = x[:, :, 0::2, 1::2].permute(0, 2, 3, 1)
+    z[:, : h // 2, :, 1, 0] = x[:, :, 1::2, 0::2].permute(0, 2, 3, 1)
+    z[:, : h // 2, : w // 2, 1, 1] = x[:, :, 1::2, 1::2].permute(0, 2, 3, 1)
+    out = x.new_zeros((n, hz, wz, s2d_channels(c)))
+    out[..., : 4 * c] = z.reshape(n, hz, wz, 4 * c)
+    return out.permute(0, 3, 1, 2)
+
+
+def s2d_weight(weight: torch.Tensor, padding: int) -> torch.Tensor:
+    """``[K, C, R, R]`` of a stride-2 conv -> ``[K, s2d_channels(C), R', R']`` of the equivalent stride-1 conv
+    over :func:`space_to_depth`'s input (the mapping in :func:`s2d_geometry`)."""
+    k, c, r, _ = weight.shape
+    u = 2 * ((padding + 1) // 2) - padding
+    r2 = cdiv(r + u, 2)
+    # pad the taps to 2*R' (u zeros before, the rest after), then split each tap index into (a, b)
+    full = weight.new_zeros((k, c, 2 * r2, 2 * r2))
+    full[:, :, u : u + r, u : u + r] = weight
+    full = full.reshape(k, c, r2, 2, r2, 2).permute(0, 3, 5, 1, 2, 4).reshape(k, 4 * c, r2, r2)
+    out = weight.new_zeros((k, s2d_channels(c), r2, r2))
+    out[:, : 4 * c] = full
+    return out
+
+
+def fold_columns(z: torch.Tensor, taps: int, pad: int, q: int) -> torch.Tensor:
+    """Fold a stride-1 conv's ``taps`` column taps into channels: channels_last ``[N, C, H, W]`` ->
+    ``[N, taps*C, H, q]`` with channel ``e*C + c`` at column j holding ``z[..., c, :, j + e - pad]`` (zero
+    outside). The ``taps x taps`` conv becomes ``taps x 1`` (no column padding) over ``taps*C`` channels:
+    BLOCK_K 64 K steps instead of 16-channel ones (one 16-channel K step costs ~120 SASS instructions for 4
+    HGMMA), at the price of an input ``taps`` times larger."""
+    n, c, h, w = z.shape
+    padded = torch.nn.functional.pad(z, (pad, max(0, q + taps - 1 - pad - w)))
+    cols = [padded[..., e : e + q] for e in range(taps)]
+    return torch.cat(cols, dim=1).contiguous(memory_format=torch.channels_last)
+
+
+def fold_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[K, C, R, S]`` -> ``[K, S*C, R, 1]`` with channel ``e*C + c`` = tap column ``e`` of channel ``c``:
+    the weight of :func:`fold_columns`' input."""
+    k, c, r, taps = weight.shape
+    return weight.permute(0, 3, 1, 2).reshape(k, taps * c, r, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelGeometry:
+    """What the kernel runs for a layer: its input (C, H, W), K, an R x S kernel with row/column padding,
+    the output P x Q and the ``MODE_*``."""
+
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    pad_h: int
+    pad_w: int
+    p: int
+    q: int
+    mode: int
+
+
+def kernel_geometry(shape: Shape) -> KernelGeometry:
+    """The layer itself, or for ``MODE_S2D`` layers the space-to-depth conv (:func:`s2d_geometry`) with its
+    column taps folded into channels (:func:`fold_columns`): the stem's 7x7/2 over C=3 runs as a 4x1/1 conv
+    over 4 x 16 = 64 channels, keeping the original P x Q."""
+    c, h, w, k, r, stride, pad = shape
+    mode = layer_mode(shape)
+    if mode == MODE_S2D:
+        (c2, h2, _, _, r2, _, pad2), p, q = s2d_geometry(shape)
+        return KernelGeometry(r2 * c2, h2, q, k, r2, 1, pad2, 0, p, q, MODE_CONV)
+    p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
+    return KernelGeometry(c, h, w, k, r, r, pad, pad, p, q, mode)
+
+
 def layer_mode(shape: Shape) -> int:
     """Which loop a layer shape takes, or raise naming why the TMA kernel cannot run it."""
     c, h, w, k, r, stride, pad = shape
-    if (c * 2) % 16 or (k * 2) % 16:
-        raise ValueError(f"TMA needs C and K multiples of 8 (16-byte rows), got C={c} K={k}")
+    if (k * 2) % 16:
+        raise ValueError(f"TMA needs K a multiple of 8 (16-byte rows), got K={k}")
+    if (c * 2) % 16:
+        if stride == 2:
+            return MODE_S2D
+        raise ValueError(f"TMA needs C a multiple of 8 (16-byte rows) below stride 2, got C={c}")
     if r == 1 and stride == 1 and pad == 0:
         return MODE_GEMM
     if stride == 1:
@@ -134,6 +246,8 @@ def select_config(shape: Shape) -> HopperConvConfig:
     for C <= 32), 4 stages, 8 warps; a square spatial tile of 128 positions for the conv modes."""
     if shape in CONFIGS:
         return CONFIGS[shape]
+    if layer_mode(shape) == MODE_S2D:
+        return _conv((1, 16, 16), 64, 64, 4, 4)
     c, _, _, k, _, _, _ = shape
     bk = 32 if c <= 32 else 64
     if layer_mode(shape) == MODE_GEMM:
@@ -143,8 +257,8 @@ def select_config(shape: Shape) -> HopperConvConfig:
 
 def check_config(shape: Shape, config: HopperConvConfig) -> None:
     """Raise naming the first rule a config breaks for a shape (tile sizes TMA and wgmma accept)."""
-    c = shape[0]
-    mode = layer_mode(shape)
+    geometry = kernel_geometry(shape)
+    c, mode = geometry.c, geometry.mode
     for name, value in (
         ("block_m", config.block_m),
         ("block_n", config.block_n),
@@ -252,6 +366,30 @@ def merge_stats(
 
 
 @triton.jit
+def _bn_relu(a, scale, shift, ASM: tl.constexpr):
+    """``relu(a * scale + shift)`` on a ``[M, C]`` fp16/bf16 tile with per-column scale/shift in its dtype.
+    Compiled (``ASM``): one packed ``fma.rn.relu`` a pair of elements (Triton's own ops widen 16-bit
+    arithmetic to fp32 and convert back: 3x the instructions, 182 per 8 HGMMA on the 64-channel 1x1).
+    The interpreter cannot run inline PTX and takes the plain ops (fp32 math, one rounding)."""
+    if ASM:
+        sc = tl.broadcast_to(scale[None, :], a.shape)
+        sh = tl.broadcast_to(shift[None, :], a.shape)
+        if a.dtype == tl.bfloat16:
+            out = tl.inline_asm_elementwise(
+                "fma.rn.relu.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, sc, sh], dtype=tl.bfloat16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            out = tl.inline_asm_elementwise(
+                "fma.rn.relu.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, sc, sh], dtype=tl.float16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+    else:
+        out = tl.maximum(a.to(tl.float32) * scale[None, :] + shift[None, :], 0.0).to(a.dtype)
+    return out
+
+
+@triton.jit
 def _conv_hopper_kernel(
     x_ptr,
     w_ptr,
@@ -259,6 +397,7 @@ def _conv_hopper_kernel(
     count_ptr,
     mean_part_ptr,
     m2_part_ptr,
+    ss_ptr,
     N,
     H: tl.constexpr,
     W: tl.constexpr,
@@ -280,6 +419,8 @@ def _conv_hopper_kernel(
     NUM_PROGRAMS: tl.constexpr,
     STAGES: tl.constexpr,
     STATS: tl.constexpr,
+    PROLOGUE: tl.constexpr = False,
+    ASM_PROLOGUE: tl.constexpr = False,
 ):
     KC: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K  # channel blocks a tap
     K_STEPS: tl.constexpr = R * S * KC
@@ -318,6 +459,8 @@ def _conv_hopper_kernel(
     w_desc = tl.make_tensor_descriptor(
         w_ptr, shape=[K, R * S * C], strides=[R * S * C, 1], block_shape=[BLOCK_N, BLOCK_K]
     )
+    if PROLOGUE:  # the [2, C] (scale; shift) of the input's BN + ReLU, in the input dtype
+        ss_desc = tl.make_tensor_descriptor(ss_ptr, shape=[2, C], strides=[C, 1], block_shape=[2, BLOCK_K])
     num_tiles = m_tiles * N_TILES
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, num_stages=STAGES):
         tile_m = tile // N_TILES
@@ -327,6 +470,13 @@ def _conv_hopper_kernel(
             m0 = tile_m * BLOCK_M
             for kk in range(K_STEPS):
                 a = x_desc.load([m0, kk * BLOCK_K])
+                if PROLOGUE:
+                    # the previous BN + ReLU on the loaded tile: relu(x * scale + shift) per input channel,
+                    # in the input dtype (packed 2-wide FMA/max: half the instructions of fp32 math).
+                    # scale/shift come through TMA too ([2, C]): channels past C read 0, so they stay
+                    # 0; rows past M become relu(shift), but the store clips them and the stats mask them.
+                    sc, sh = tl.split(ss_desc.load([0, kk * BLOCK_K]).permute(1, 0))
+                    a = _bn_relu(a, sc, sh, ASM_PROLOGUE)
                 b = w_desc.load([k0, kk * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
             y_desc.store([m0, k0], acc.to(y_desc.dtype))
@@ -368,19 +518,25 @@ def _conv_hopper_kernel(
 
 #: Packed weights by ``id`` of the weight tensor: (a weak reference to it, its version, the packing). The
 #: reference guards against a new tensor reusing a freed one's id or memory with the same version count.
-_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+_PACKED: dict[tuple[int, int | None], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, s2d_padding: int | None = None) -> torch.Tensor:
     """``[K, C, R, S]`` -> ``[K, R*S*C]`` (tap-major K dimension, channels contiguous), cached per weight
-    tensor and version (an optimizer step bumps it) so a training step packs once, not once a call."""
-    entry = _PACKED.get(id(weight))
+    tensor and version (an optimizer step bumps it) so a training step packs once, not once a call. With
+    ``s2d_padding`` the weight is first rewritten for the space-to-depth input (:func:`s2d_weight`, then
+    :func:`fold_weight`)."""
+    key = (id(weight), s2d_padding)
+    entry = _PACKED.get(key)
     if entry is not None and entry[0]() is weight and entry[1] == weight._version:
         return entry[2]
-    packed = weight.detach().permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
-    for key in [key for key, (ref, _, _) in _PACKED.items() if ref() is None]:
-        del _PACKED[key]
-    _PACKED[id(weight)] = (weakref.ref(weight), weight._version, packed)
+    source = weight.detach()
+    if s2d_padding is not None:
+        source = fold_weight(s2d_weight(source, s2d_padding))
+    packed = source.permute(0, 2, 3, 1).reshape(source.shape[0], -1).contiguous()
+    for dead in [dead for dead, (ref, _, _) in _PACKED.items() if ref() is None]:
+        del _PACKED[dead]
+    _PACKED[key] = (weakref.ref(weight), weight._version, packed)
     return packed
 
 
@@ -399,10 +555,14 @@ def conv_hopper(
     padding: int = 0,
     config: HopperConvConfig | None = None,
     num_programs: int = HOPPER_SMS,
+    prologue: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``conv2d(x, weight, stride=stride, padding=padding)`` (no bias, square kernel, groups 1) for a
-    channels_last ``x``; returns a channels_last tensor. ``config`` defaults to :func:`select_config`."""
-    return _launch(x, weight, stride, padding, config, num_programs, stats=False)[0]
+    channels_last ``x``; returns a channels_last tensor. ``config`` defaults to :func:`select_config`.
+    ``prologue=(scale, shift)`` (per input channel, fp32) convolves ``relu(x * scale + shift)`` instead:
+    the previous BatchNorm's normalisation and ReLU applied to each loaded tile (1x1 stride-1 convs only;
+    elsewhere the zero padding would not stay zero)."""
+    return _launch(x, weight, stride, padding, config, num_programs, stats=False, prologue=prologue)[0]
 
 
 def conv_hopper_stats(
@@ -412,10 +572,12 @@ def conv_hopper_stats(
     padding: int = 0,
     config: HopperConvConfig | None = None,
     num_programs: int = HOPPER_SMS,
+    prologue: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`conv_hopper` plus the per-channel mean and biased variance of its fp32 result (what a
-    training BatchNorm normalises with), from the epilogue's per-tile summaries: ``(y, mean, var)``."""
-    y, parts = _launch(x, weight, stride, padding, config, num_programs, stats=True)
+    training BatchNorm normalises with), from the epilogue's per-tile summaries: ``(y, mean, var)``. With
+    ``prologue`` this is one link of a conv -> BN -> ReLU -> conv chain: one read of x, one write of y."""
+    y, parts = _launch(x, weight, stride, padding, config, num_programs, stats=True, prologue=prologue)
     assert parts is not None
     mean, var = merge_stats(*parts)
     return y, mean, var
@@ -429,6 +591,7 @@ def _launch(
     config: HopperConvConfig | None,
     num_programs: int,
     stats: bool,
+    prologue: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """Check, allocate and launch; with ``stats`` also return the ``(counts, mean_parts, m2_parts)``
     buffers (one row per M tile)."""
@@ -448,17 +611,28 @@ def _launch(
     n, c, h, w = x.shape
     k, _, r, _ = weight.shape
     shape = (c, h, w, k, r, stride, padding)
-    mode = layer_mode(shape)
     config = config or select_config(shape)
     check_config(shape, config)
-    p, q = (h + 2 * padding - r) // stride + 1, (w + 2 * padding - r) // stride + 1
+    g = kernel_geometry(shape)
+    mode, p, q = g.mode, g.p, g.q
+    if prologue is not None:
+        if mode != MODE_GEMM:
+            raise ValueError("the BN+ReLU prologue runs on 1x1 stride-1 convs only (padding must stay zero)")
+        if any(t.shape != (c,) or t.dtype != torch.float32 or t.device != x.device for t in prologue):
+            raise ValueError(f"prologue scale and shift must be fp32 [C={c}] on {x.device}")
+        scale_shift = torch.stack(prologue).to(x.dtype)  # rounded once here, not per tile
+    if layer_mode(shape) == MODE_S2D:
+        packed = pack_weight(weight, s2d_padding=padding)
+        x = fold_columns(space_to_depth(x), g.r, g.pad_h, q)  # square: the column padding is the row's
+    else:
+        packed = pack_weight(weight)
     y = torch.empty((n, k, p, q), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     _SCRATCH_DEVICE[0] = x.device
     triton.set_allocator(_allocate_scratch)
     tn, th, tw = config.tile
     m_tiles = cdiv(n, tn) * cdiv(p, th) * cdiv(q, tw)
     if mode == MODE_GEMM:
-        m_tiles = cdiv(n * h * w, config.block_m)
+        m_tiles = cdiv(n * g.h * g.w, config.block_m)
     grid = (max(1, min(num_programs, m_tiles * cdiv(k, config.block_n))),)
     parts = None
     if stats:
@@ -470,18 +644,19 @@ def _launch(
     dummy = parts[0] if parts else y
     _conv_hopper_kernel[grid](
         x,
-        pack_weight(weight),
+        packed,
         y,
         *(parts or (dummy, dummy, dummy)),
+        scale_shift if prologue is not None else dummy,
         n,
-        H=h,
-        W=w,
-        C=c,
+        H=g.h,
+        W=g.w,
+        C=g.c,
         K=k,
-        R=r,
-        S=r,
-        PAD_H=padding,
-        PAD_W=padding,
+        R=g.r,
+        S=g.s,
+        PAD_H=g.pad_h,
+        PAD_W=g.pad_w,
         P=p,
         Q=q,
         MODE=mode,
@@ -494,6 +669,8 @@ def _launch(
         NUM_PROGRAMS=grid[0],
         STAGES=config.num_stages,
         STATS=stats,
+        PROLOGUE=prologue is not None,
+        ASM_PROLOGUE=not interpreter_enabled(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

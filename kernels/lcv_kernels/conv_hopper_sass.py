@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-from lcv_kernels.conv_hopper import HOPPER_SMS, HopperConvConfig, Shape, check_config, layer_mode
+from lcv_kernels.conv_hopper import HOPPER_SMS, HopperConvConfig, Shape, check_config, kernel_geometry
 
 #: The bar from issue 38 for every table row.
 MAX_INSTRUCTIONS_PER_8_HGMMA = 140
@@ -149,12 +149,10 @@ def _tool(name: str) -> str:
 
 
 def _constexprs(shape: Shape, config: HopperConvConfig, num_programs: int) -> dict[str, Any]:
-    c, h, w, k, r, stride, pad = shape
-    p = (h + 2 * pad - r) // stride + 1
-    q = (w + 2 * pad - r) // stride + 1
+    g = kernel_geometry(shape)  # the stem: the space-to-depth conv with its column taps folded
     tn, th, tw = config.tile
     return dict(
-        H=h, W=w, C=c, K=k, R=r, S=r, PAD_H=pad, PAD_W=pad, P=p, Q=q, MODE=layer_mode(shape),
+        H=g.h, W=g.w, C=g.c, K=g.k, R=g.r, S=g.s, PAD_H=g.pad_h, PAD_W=g.pad_w, P=g.p, Q=g.q, MODE=g.mode,
         TN=tn, TH=th, TW=tw, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_PROGRAMS=num_programs, STAGES=config.num_stages,
     )  # fmt: skip
@@ -166,6 +164,7 @@ def compile_config(
     dtype: str = "bf16",
     num_programs: int = HOPPER_SMS,
     stats: bool = False,
+    prologue: bool = False,
 ) -> Any:
     """Compile the kernel for sm_90a as :func:`lcv_kernels.conv_hopper.conv_hopper` would launch it (the
     batch ``N`` a runtime 16-divisible integer, pointers 16-byte aligned)."""
@@ -178,10 +177,13 @@ def compile_config(
     check_config(shape, config)
     consts = _constexprs(shape, config, num_programs)
     consts["STATS"] = stats
+    consts["PROLOGUE"] = prologue
+    consts["ASM_PROLOGUE"] = prologue  # as a compiled launch runs it
     signature = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
-    signature.update({"count_ptr": "*fp32", "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32", "N": "i32"})
+    signature.update({"count_ptr": "*fp32", "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32"})
+    signature.update({"ss_ptr": f"*{dtype}", "N": "i32"})
     signature.update({name: "constexpr" for name in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     source = ASTSource(fn=_conv_hopper_kernel, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -207,13 +209,17 @@ def sass_of(compiled: Any) -> tuple[str, dict[str, int]]:
 
 
 def sass_row(
-    shape: Shape, config: HopperConvConfig, dtype: str = "bf16", stats: bool = False
+    shape: Shape,
+    config: HopperConvConfig,
+    dtype: str = "bf16",
+    stats: bool = False,
+    prologue: bool = False,
 ) -> dict[str, Any]:
     """One table row: the shape, config, triton version and every count the bar needs (``stats``: with
-    the BatchNorm statistics epilogue)."""
+    the BatchNorm statistics epilogue; ``prologue``: with the previous BN + ReLU on the loaded input)."""
     import triton
 
-    compiled = compile_config(shape, config, dtype, stats=stats)
+    compiled = compile_config(shape, config, dtype, stats=stats, prologue=prologue)
     sass, usage = sass_of(compiled)
     counts = analyse_sass(sass)
     shared = int(compiled.metadata.shared) + usage["SHARED"]
@@ -222,6 +228,7 @@ def sass_row(
         "config": config.describe(),
         "dtype": dtype,
         "stats": stats,
+        "prologue": prologue,
         "triton": triton.__version__,
         "registers": usage["REG"],
         "spill_bytes": usage["LOCAL"] + usage["STACK"],

@@ -25,15 +25,22 @@ from lcv_kernels.conv_hopper import (
     MODE_CONV,
     MODE_CONV_S2,
     MODE_GEMM,
+    MODE_S2D,
     HopperConvConfig,
     check_config,
     conv_hopper,
     conv_hopper_stats,
+    fold_columns,
+    fold_weight,
+    kernel_geometry,
     layer_mode,
     merge_grid,
     merge_stats,
     pack_weight,
+    s2d_geometry,
+    s2d_weight,
     select_config,
+    space_to_depth,
 )
 from lcv_kernels.conv_hopper_sass import analyse_sass, bar_failures, ctas_per_sm
 from lcv_kernels.tolerances import bound, reduction_tolerance, tolerance
@@ -64,6 +71,9 @@ CASES = [
     (2, 16, 6, 8, 24, 3, 2, 1, _conv((2, 1, 8), 16, 16)),
     (1, 16, 6, 8, 16, 1, 2, 0, _conv((1, 2, 8), 16, 16)),
     (2, 8, 1, 6, 16, 3, 1, 1, _conv((2, 1, 8), 16, 16)),  # H=1: every row above and below is padding
+    # the C=3 stem through space-to-depth (a 4x4/1 conv over C=16): N=1 with odd H and W; N=2, TN=2
+    (1, 3, 7, 9, 8, 7, 2, 3, _conv((1, 2, 8), 16, 16)),
+    (2, 3, 6, 5, 16, 7, 2, 3, _conv((2, 2, 4), 16, 32)),
 ]
 
 
@@ -85,12 +95,53 @@ def test_matches_float64_conv2d_in_the_interpreter(case: tuple, dtype: torch.dty
     assert err <= limit, f"max error {err} > {limit}"
 
 
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_bn_relu_prologue_matches_float64_in_the_interpreter(dtype: torch.dtype) -> None:
+    """``prologue=(scale, shift)`` on the 1x1 path: ``conv(relu(x * scale + shift))`` against float64 eager,
+    with shifts of both signs (some channels mostly zeroed by the ReLU), C=24 under BLOCK_K 32 (channels past
+    C must stay 0) and M=50 rows under 16-row tiles (rows past M must not leak into y or the statistics)."""
+    n, c, h, w, k = 2, 24, 5, 5, 16
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(n, c, h, w, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(k, c, 1, 1, generator=gen).to(dtype)
+    scale = torch.rand(c, generator=gen) * 2.0 + 0.25
+    shift = torch.randn(c, generator=gen)
+    config = HopperConvConfig(16, 16, 32, 2, 4)
+    y, mean, var = conv_hopper_stats(x, weight, config=config, num_programs=3, prologue=(scale, shift))
+    # the kernel rounds scale and shift to the input dtype once (as a bf16/fp16 BN output would be rounded)
+    s64, b64 = scale.to(dtype).double(), shift.to(dtype).double()
+    z = torch.relu(x.double() * s64[None, :, None, None] + b64[None, :, None, None])
+    ref = F.conv2d(z, weight.double())
+    # one extra rounding of the activated input (to the input dtype) before the reduction
+    limit = bound(reduction_tolerance(dtype, c), ref) + bound(reduction_tolerance(dtype, 1), z) * c
+    assert (y.double() - ref).abs().max().item() <= limit
+    assert torch.allclose(y, conv_hopper(x, weight, config=config, num_programs=3, prologue=(scale, shift)))
+    # statistics of the fp32 accumulator: every element within `limit` of ref, so the mean is too and the
+    # variance within 2 * limit * max|ref - mean| + limit^2 (plus the BN tolerance of the merge)
+    e_var, e_mean = torch.var_mean(ref, dim=(0, 2, 3), unbiased=False)
+    spread = (ref - e_mean[None, :, None, None]).abs().amax(dim=(0, 2, 3))
+    atol, rtol = tolerance("norm", torch.float32)
+    assert ((mean.double() - e_mean).abs() <= limit + atol).all()
+    assert ((var.double() - e_var).abs() <= 2 * limit * spread + limit**2 + atol + rtol * e_var).all()
+    with pytest.raises(ValueError, match="1x1 stride-1"):
+        conv_hopper(x, torch.zeros(k, c, 3, 3, dtype=dtype), padding=1, prologue=(scale, shift))
+    with pytest.raises(ValueError, match="fp32"):
+        conv_hopper(x, weight, prologue=(scale.double(), shift))
+
+
 def test_modes_and_clear_errors() -> None:
     assert layer_mode((64, 56, 56, 256, 1, 1, 0)) == MODE_GEMM
     assert layer_mode((64, 56, 56, 64, 3, 1, 1)) == MODE_CONV
     assert layer_mode((128, 56, 56, 128, 3, 2, 1)) == MODE_CONV_S2
-    with pytest.raises(ValueError, match="multiples of 8"):
-        layer_mode((3, 224, 224, 64, 7, 2, 3))  # the stem: C=3 rows are not 16-byte aligned
+    assert layer_mode((3, 224, 224, 64, 7, 2, 3)) == MODE_S2D  # C=3 rows are not 16 bytes: space-to-depth
+    stem = kernel_geometry((3, 224, 224, 64, 7, 2, 3))  # 4x4/1 pad 2 over C=16, column taps folded
+    assert (stem.c, stem.h, stem.w, stem.r, stem.s, stem.pad_h, stem.pad_w) == (64, 112, 112, 4, 1, 2, 0)
+    assert (stem.p, stem.q, stem.mode) == (112, 112, MODE_CONV)
+    with pytest.raises(ValueError, match="C a multiple of 8"):
+        layer_mode((3, 224, 224, 64, 3, 1, 1))
+    with pytest.raises(ValueError, match="K a multiple of 8"):
+        layer_mode((64, 56, 56, 3, 1, 1, 0))
     with pytest.raises(ValueError, match="even H and W"):
         layer_mode((64, 7, 7, 64, 3, 2, 1))
     with pytest.raises(ValueError, match="stride 3"):
@@ -99,6 +150,36 @@ def test_modes_and_clear_errors() -> None:
         check_config((24, 8, 8, 32, 3, 2, 1), HopperConvConfig(128, 64, 32, 2, 4, (1, 8, 16)))
     with pytest.raises(ValueError, match="channels_last"):
         conv_hopper(torch.zeros(1, 8, 4, 4), torch.zeros(8, 8, 1, 1))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    # (N, C, H, W, K, R, padding), stride 2: the 7x7/3 stem at odd and even sizes and at H=1; other
+    # kernels and paddings (3x3/1, 1x1/0, 5x5/2, 2x2/0) whose s2d tap count and padding differ
+    [(1, 3, 7, 9, 4, 7, 3), (2, 3, 6, 5, 4, 7, 3), (1, 3, 1, 4, 4, 7, 3), (1, 5, 8, 7, 4, 3, 1),
+     (1, 3, 5, 5, 4, 1, 0), (2, 2, 9, 6, 4, 5, 2), (1, 3, 6, 7, 4, 2, 0)],
+    ids=lambda s: "N{}C{}H{}W{}K{}k{}p{}".format(*s),
+)  # fmt: skip
+def test_space_to_depth_rewrite_is_the_stride_2_conv(shape: tuple[int, ...]) -> None:
+    """The exact index mapping of :func:`s2d_geometry`, in float64 eager (no kernel): the stride-1 conv of
+    the rewritten weight over the space-to-depth input, cut to the original P x Q, is ``conv2d(stride=2)``."""
+    n, c, h, w, k, r, pad = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64)
+    weight = torch.randn(k, c, r, r, generator=gen, dtype=torch.float64)
+    ref = F.conv2d(x, weight, stride=2, padding=pad)
+    inner, p, q = s2d_geometry((c, h, w, k, r, 2, pad))
+    z = space_to_depth(x)
+    assert z.shape == (n, inner[0], inner[1], inner[2]) and z.is_contiguous(memory_format=torch.channels_last)
+    assert inner[0] % 16 == 0 and (p, q) == ref.shape[2:]
+    w2 = s2d_weight(weight, pad)
+    assert w2.shape == (k, inner[0], inner[4], inner[4])
+    y = F.conv2d(z, w2, padding=inner[6])[:, :, :p, :q]
+    assert torch.allclose(y, ref, atol=1e-12, rtol=1e-12)
+    # what the kernel runs: the column taps folded into channels, an R' x 1 conv padded on rows only
+    folded = fold_columns(z, inner[4], inner[6], q)
+    y = F.conv2d(folded, fold_weight(w2), padding=(inner[6], 0))[:, :, :p]
+    assert folded.shape[1] == inner[4] * inner[0] and torch.allclose(y, ref, atol=1e-12, rtol=1e-12)
 
 
 def test_table_is_valid_and_block_n_not_bounded_by_c() -> None:
@@ -161,15 +242,16 @@ import json
 from lcv_kernels.conv_hopper import CONFIGS
 from lcv_kernels.conv_hopper_sass import sass_row
 for shape, stats in [((64, 56, 56, 64, 1, 1, 0), False), ((128, 28, 28, 128, 3, 1, 1), False),
-                     ((128, 28, 28, 128, 3, 1, 1), True)]:
+                     ((128, 28, 28, 128, 3, 1, 1), True), ((3, 224, 224, 64, 7, 2, 3), False)]:
     print(json.dumps(sass_row(shape, CONFIGS[shape], stats=stats)))
 """
 
 
 def test_representative_configs_meet_the_sass_bar_for_sm90a() -> None:
-    """One 1x1 (TMA GEMM) and one 3x3 (4-D TMA boxes) table entry, and the 3x3 with the statistics
-    epilogue, compiled for sm_90a with the local triton: HGMMA and UTMALDG in the K loop, no LDGSTS/LDG
-    there, no spills, <= 140 instructions per 8 HGMMA, at least one CTA per SM."""
+    """One 1x1 (TMA GEMM) and one 3x3 (4-D TMA boxes) table entry, the 3x3 with the statistics epilogue,
+    and the stem (space-to-depth, column taps folded: 4x1 over 64 channels), compiled for sm_90a with the
+    local triton: HGMMA and UTMALDG in the K loop, no LDGSTS/LDG there, no spills, <= 140 instructions per
+    8 HGMMA, at least one CTA per SM."""
     env = {
         **os.environ,
         "TRITON_INTERPRET": "0",
@@ -188,7 +270,7 @@ def test_representative_configs_meet_the_sass_bar_for_sm90a() -> None:
         pytest.skip("Triton's ptxas is not available")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 3
+    assert len(rows) == 4
     for row in rows:
         assert row["loop_hgmma"] > 0 and row["loop_utmaldg"] > 0, row
         assert row["bar_failures"] == [], (row["shape"], row["config"], row["bar_failures"])
@@ -196,7 +278,9 @@ def test_representative_configs_meet_the_sass_bar_for_sm90a() -> None:
 
 @requires_interpreter
 @pytest.mark.parametrize("offset", [0.0, 30.0, 300.0, 1000.0])
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]], ids=["gemm", "conv", "conv_s2"])
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[3], CASES[5], CASES[-1]], ids=["gemm", "conv", "conv_s2", "stem_s2d"]
+)
 def test_epilogue_statistics_match_float64_at_large_means(case: tuple, offset: float) -> None:
     """Per-tile (count, mean, M2) from the epilogue, merged in two fixed-order levels: the mean (relative to
     the spread) and the biased variance within the BN tolerance at means of 0 to 1000, bit-identical on a
