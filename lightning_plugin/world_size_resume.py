@@ -1,21 +1,21 @@
-"""Say what a mid-epoch resume on another world size does to a plain (non-stateful) training loader.
+"""Say what a mid-epoch resume on another world size does to a training loader nobody remaps.
 
 Lightning 2.6 saves no position for a ``DataLoader`` without ``state_dict``/``load_state_dict``: on a
-mid-epoch resume it iterates the loader again from the epoch's first batch (the ``DistributedSampler``
-gets the same epoch, so the same permutation, now sharded over the new ranks) while its batch counter
-keeps the ``k`` batches already done, so the epoch ends ``k`` batches early. At the same world size
-Lightning warns (it repeats the epoch's first ``k`` batches per rank and skips its last ``k``); at
-another world size the samples taken from the start of the epoch no longer line up with those used
-before either. A sampler that skips them instead cannot be installed cleanly from the strategy:
-Lightning fixes the epoch's batch count once from ``len(dataloader)`` when the loader is built, and
-the resumed epoch's length at the new world size differs from every later epoch's. So the strategies
-record the world size in their checkpoints and say, in one line, what this epoch will do.
+mid-epoch resume it iterates the loader again from the epoch's first batch (the sampler gets the same
+epoch, so the same order, now over the new ranks) while its batch counter keeps the ``k`` batches already
+done, so the epoch ends ``k`` batches early (Lightning warns of this itself, at any world size). The
+compiled strategies record the world size in their checkpoints and, on another one, swap Lightning's own
+``DistributedSampler`` for :class:`~lightning_plugin.resumed_sampler.ResumedDistributedSampler`; lcv's
+``DeviceLoader`` remaps itself. Any other loader (a custom sampler or batch sampler, or
+``use_distributed_sampler=False``) gets one line saying what this epoch will do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from lightning_plugin.resumed_sampler import ResumedDistributedSampler
 
 #: Checkpoint key under which the compiled strategies record the world size that wrote it.
 WORLD_SIZE_KEY = "lcv_world_size"
@@ -32,6 +32,10 @@ def is_stateful_loader(loader: Any) -> bool:
     return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
+def _is_remapped(loader: Any) -> bool:
+    return isinstance(getattr(loader, "sampler", None), ResumedDistributedSampler)
+
+
 def plain_resume_warning(
     *, saved: int | None, world_size: int, batches_done: int, mid_epoch: bool, loaders: Iterable[Any]
 ) -> str | None:
@@ -46,11 +50,12 @@ def plain_resume_warning(
     """
     if saved is None or saved == world_size or not mid_epoch or batches_done <= 0:
         return None
-    if all(is_stateful_loader(loader) for loader in loaders):
-        return None  # e.g. lcv's DeviceLoader, which remaps its position itself
+    if all(is_stateful_loader(loader) or _is_remapped(loader) for loader in loaders):
+        return None  # lcv's DeviceLoader remaps its position itself; Lightning's sampler was swapped
     return (
         f"Resumed mid-epoch on world size {world_size} from a checkpoint written on {saved} after "
-        f"{batches_done} batches per rank, with a plain DataLoader (no state_dict): Lightning restarts this "
+        f"{batches_done} batches per rank, with a DataLoader whose sampler cannot be remapped (a custom sampler or "
+        "batch sampler, or no DistributedSampler): Lightning restarts this "
         f"epoch's sampler order from its first batch, sharded over {world_size} ranks, and ends the epoch "
         f"{batches_done} batches early, so some samples of this epoch repeat and others are skipped "
         "(later epochs are whole); resume from an end-of-epoch checkpoint or use a stateful loader "

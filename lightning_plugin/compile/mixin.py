@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_plugin.compile.cache import cache_locations, load_compile_cache, save_compile_cache
@@ -29,6 +32,7 @@ from lightning_plugin.fast_step import (
     remove_lean_log,
     remove_lean_progress_metrics,
 )
+from lightning_plugin.resumed_sampler import ResumedDistributedSampler
 from lightning_plugin.world_size_resume import WORLD_SIZE_KEY, plain_resume_warning, saved_world_size
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
@@ -269,6 +273,43 @@ class CompiledStrategyMixin(_StrategyBase):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._saved_world_size = saved_world_size(checkpoint)
         return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader of an epoch resumed on another world size skips the samples already used."""
+        return self._remap_resumed_epoch(super().process_dataloader(dataloader))
+
+    def _remap_resumed_epoch(self, dataloader: Any) -> Any:
+        """Swap Lightning's ``DistributedSampler`` for a :class:`ResumedDistributedSampler` when fitting
+        resumes mid-epoch on another world size (a custom sampler or batch sampler is left, and warned of)."""
+        saved = self._saved_world_size
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if saved is None or saved == self._world_size or trainer is None or trainer.state.stage != "train":
+            return dataloader
+        sampler = getattr(dataloader, "sampler", None)
+        batch_size = getattr(dataloader, "batch_size", None)
+        if type(sampler) is not DistributedSampler or batch_size is None:
+            return dataloader
+        fit_loop = trainer.fit_loop
+        epochs = fit_loop.epoch_progress.total
+        mid_epoch = (
+            fit_loop.restarting
+            and epochs.started == epochs.ready
+            and epochs.processed == epochs.started - 1
+            and epochs.completed == epochs.processed
+        )  # Lightning's RESTARTED_MID_EPOCH, which it sets only after building the loader
+        done = fit_loop.epoch_loop.batch_progress.current.processed
+        if not mid_epoch or done <= 0:
+            return dataloader
+        resumed = ResumedDistributedSampler(
+            sampler,
+            epoch=fit_loop.epoch_progress.current.processed,
+            start=done * batch_size * saved,
+            batches_done=done,
+            batch_size=batch_size,
+        )
+        return _update_dataloader(dataloader, resumed, mode=RunningStage.TRAINING)
 
     @property
     def _world_size(self) -> int:

@@ -1,12 +1,14 @@
 """A mid-epoch resume on another world size with a plain DataLoader says what happens to the epoch.
 
-The integration test checks the claim the warning makes about Lightning (the resumed epoch restarts the
-loader's order at its first batch and ends as many batches early as were done) and that the strategy
-records its world size in the checkpoint; one process, world size 1, the saved world size edited to 2.
+In one process (DDP at world size 1, the checkpoint's world size edited to 2): Lightning's injected
+``DistributedSampler`` is swapped and the resumed epoch uses exactly the samples 2 ranks had not; a sampler
+that cannot be swapped gets the line, whose claim about Lightning (the epoch restarts at its first batch
+and ends as many batches early as were done) is checked against the samples seen.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -14,10 +16,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from boring import TRAINER_KWARGS, TinyModule
-from lightning_plugin import CompiledStrategy
+from lightning_plugin import CompiledDDPStrategy
 from lightning_plugin.world_size_resume import WORLD_SIZE_KEY, plain_resume_warning, saved_world_size
 
 N, BATCH, DONE = 24, 4, 2  # 6 batches an epoch; the checkpoint is written after 2
@@ -66,17 +68,29 @@ def _loader() -> DataLoader:
 
 
 def _fit(
-    tmp_path: Any, ckpt_path: Any = None, callbacks: list[Callback] | None = None, steps: int = -1
+    tmp_path: Any,
+    ckpt_path: Any = None,
+    callbacks: list[Callback] | None = None,
+    steps: int = -1,
+    **kwargs: Any,
 ) -> list[str]:
+    """DDP in this process (world size 1: Lightning injects its DistributedSampler); cleans up after."""
+    environ = dict(os.environ)
     trainer = L.Trainer(
-        strategy=CompiledStrategy(backend="aot_eager"),
+        strategy=CompiledDDPStrategy(backend="aot_eager"),
         default_root_dir=tmp_path,
         callbacks=callbacks,
-        **{**TRAINER_KWARGS, "enable_checkpointing": bool(callbacks), "max_steps": steps},
+        **{**TRAINER_KWARGS, "enable_checkpointing": bool(callbacks), "max_steps": steps, **kwargs},
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(TinyModule(), _loader(), ckpt_path=ckpt_path)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyModule(), _loader(), ckpt_path=ckpt_path)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     return [str(w.message) for w in caught if "Resumed mid-epoch" in str(w.message)]
 
 
@@ -92,16 +106,26 @@ def test_checkpoint_records_the_world_size(mid_epoch_checkpoint):
     assert torch.load(mid_epoch_checkpoint, weights_only=False)[WORLD_SIZE_KEY] == 1
 
 
-def test_resume_from_another_world_size_warns_and_the_epoch_goes_as_it_says(mid_epoch_checkpoint, tmp_path):
+@pytest.fixture
+def from_two_ranks(mid_epoch_checkpoint, tmp_path):
+    """The checkpoint as if 2 ranks had written it (each used 2 batches: the first 16 samples)."""
     state = torch.load(mid_epoch_checkpoint, weights_only=False)
     state[WORLD_SIZE_KEY] = 2
-    edited = tmp_path / "from_two_ranks.ckpt"
-    torch.save(state, edited)
+    torch.save(state, tmp_path / "from_two_ranks.ckpt")
+    return tmp_path / "from_two_ranks.ckpt"
+
+
+def test_resume_on_another_world_size_uses_the_rest_of_the_epoch_once(from_two_ranks, tmp_path):
     seen = _SeenSamples()
-    messages = _fit(tmp_path, ckpt_path=edited, callbacks=[seen])
+    assert _fit(tmp_path, ckpt_path=from_two_ranks, callbacks=[seen]) == []
+    # Lightning injects a shuffling sampler for training (seed 0, epoch 0); 2 ranks used its first 16 samples.
+    order = list(DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=0))
+    assert seen.ids == order[DONE * BATCH * 2 :]
+
+
+def test_a_sampler_that_cannot_be_remapped_gets_the_line_and_it_is_true(from_two_ranks, tmp_path):
+    seen = _SeenSamples()
+    messages = _fit(tmp_path, ckpt_path=from_two_ranks, callbacks=[seen], use_distributed_sampler=False)
     assert len(messages) == 1 and f"{DONE} batches early" in messages[0]
     # What the line says: the order restarts at the epoch's first batch and the epoch ends DONE batches early.
     assert seen.ids == list(range(N - DONE * BATCH))
-    same = _SeenSamples()
-    assert _fit(tmp_path, ckpt_path=mid_epoch_checkpoint, callbacks=[same]) == []  # same world size: no line
-    assert same.ids == seen.ids  # (Lightning's own warning says so: the same repeats and skips)
