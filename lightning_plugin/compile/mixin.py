@@ -282,7 +282,8 @@ class CompiledStrategyMixin(_StrategyBase):
     def _remap_resumed_epoch(self, dataloader: Any) -> Any:
         """Swap Lightning's ``DistributedSampler`` for a :class:`ResumedDistributedSampler` when fitting
         resumes mid-epoch on another world size (a custom sampler or batch sampler is left, and warned of)."""
-        saved = self._saved_world_size
+        # None also for a subclass that skipped _init_compiler
+        saved = getattr(self, "_saved_world_size", None)
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if saved is None or saved == self._world_size or trainer is None or trainer.state.stage != "train":
@@ -326,7 +327,7 @@ class CompiledStrategyMixin(_StrategyBase):
         if fit_loop is None or combined is None:
             return
         message = plain_resume_warning(
-            saved=self._saved_world_size,
+            saved=getattr(self, "_saved_world_size", None),
             world_size=self._world_size,
             batches_done=fit_loop.epoch_loop.batch_progress.current.processed,
             mid_epoch=fit_loop.restarted_mid_epoch,
