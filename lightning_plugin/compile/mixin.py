@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_plugin.compile.cache import cache_locations, load_compile_cache, save_compile_cache
@@ -29,6 +32,8 @@ from lightning_plugin.fast_step import (
     remove_lean_log,
     remove_lean_progress_metrics,
 )
+from lightning_plugin.resumed_sampler import ResumedDistributedSampler
+from lightning_plugin.world_size_resume import WORLD_SIZE_KEY, plain_resume_warning, saved_world_size
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CompileConfig) if f.init}
 
@@ -108,6 +113,7 @@ class CompiledStrategyMixin(_StrategyBase):
         self._cache_file: Path | None = None  # where this run writes its compile cache
         self._frames_at_cache_save = 0
         self._lean_hooks_installed = False
+        self._saved_world_size: int | None = None  # recorded by the checkpoint being resumed
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -181,6 +187,7 @@ class CompiledStrategyMixin(_StrategyBase):
         """On a CPU: the fused optimizer step (:mod:`lightning_plugin.cpu.fused_optimizer`) and one line on
         the CPU tuning. Here: after a resume restored the optimizer's state (and its groups' settings)."""
         super().on_train_start()
+        self._warn_plain_resume()
         module = self.lightning_module
         if module is None or not self.compile_config.tunes_cpu(self.root_device):
             return
@@ -252,6 +259,82 @@ class CompiledStrategyMixin(_StrategyBase):
         if self.is_global_zero and save_compile_cache(self._cache_file, device):
             rank_zero_info(f"{type(self).__name__}: saved the compile cache {self._cache_file}")
         self._frames_at_cache_save = compiled
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Records the world size, so that a resume on another one can say what its loader does."""
+        checkpoint[WORLD_SIZE_KEY] = self._world_size
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._saved_world_size = saved_world_size(checkpoint)
+        return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader of an epoch resumed on another world size skips the samples already used."""
+        return self._remap_resumed_epoch(super().process_dataloader(dataloader))
+
+    def _remap_resumed_epoch(self, dataloader: Any) -> Any:
+        """Swap Lightning's ``DistributedSampler`` for a :class:`ResumedDistributedSampler` when fitting
+        resumes mid-epoch on another world size (a custom sampler or batch sampler is left, and warned of)."""
+        # None also for a subclass that skipped _init_compiler
+        saved = getattr(self, "_saved_world_size", None)
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if saved is None or saved == self._world_size or trainer is None or trainer.state.stage != "train":
+            return dataloader
+        sampler = getattr(dataloader, "sampler", None)
+        batch_size = getattr(dataloader, "batch_size", None)
+        if type(sampler) is not DistributedSampler or batch_size is None:
+            return dataloader
+        fit_loop = trainer.fit_loop
+        epochs = fit_loop.epoch_progress.total
+        mid_epoch = (
+            fit_loop.restarting
+            and epochs.started == epochs.ready
+            and epochs.processed == epochs.started - 1
+            and epochs.completed == epochs.processed
+        )  # Lightning's RESTARTED_MID_EPOCH, which it sets only after building the loader
+        done = fit_loop.epoch_loop.batch_progress.current.processed
+        if not mid_epoch or done <= 0:
+            return dataloader
+        resumed = ResumedDistributedSampler(
+            sampler,
+            epoch=fit_loop.epoch_progress.current.processed,
+            start=done * batch_size * saved,
+            batches_done=done,
+            batch_size=batch_size,
+        )
+        return _update_dataloader(dataloader, resumed, mode=RunningStage.TRAINING)
+
+    @property
+    def _world_size(self) -> int:
+        """``ParallelStrategy.world_size``; 1 for the one-device strategy, which has none."""
+        return int(getattr(self, "world_size", 1))
+
+    def _warn_plain_resume(self) -> None:
+        """One line when a mid-epoch resume on another world size meets a plain DataLoader
+        (:mod:`lightning_plugin.world_size_resume`)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        fit_loop = getattr(trainer, "fit_loop", None)
+        combined = getattr(fit_loop, "_combined_loader", None)
+        if fit_loop is None or combined is None:
+            return
+        message = plain_resume_warning(
+            saved=getattr(self, "_saved_world_size", None),
+            world_size=self._world_size,
+            batches_done=fit_loop.epoch_loop.batch_progress.current.processed,
+            mid_epoch=fit_loop.restarted_mid_epoch,
+            loaders=combined.flattened,
+        )
+        if message is not None:
+            rank_zero_warn(message)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
