@@ -13,7 +13,7 @@ from torch import nn
 from deploy_helpers import INT8_EXPORT_WARNINGS, run_fresh
 from lcv_vision.deploy import MissingExtraError, load_package
 from lcv_vision.deploy.export import InferenceModel, example_batch
-from lcv_vision.deploy.quantize import numeric_padding, quantize_int8
+from lcv_vision.deploy.quantize import int8_reduce_range, numeric_padding, quantize_int8
 
 pytestmark = pytest.mark.xdist_group("deploy")
 
@@ -42,6 +42,24 @@ def test_int8_package_runs_in_a_process_without_torchao(int8_package, digits_tes
     assert report["imported"] == []
     # The same compiled code; only the thread count (how reductions are split) may differ.
     torch.testing.assert_close(logits, load_package(int8_package)(images), rtol=1e-4, atol=1e-4)
+
+
+def test_activations_take_7_bits_where_int8_kernels_run_without_vnni(monkeypatch):
+    """u8 x s8 pairs summed into saturating int16 without VNNI: the digits package lost 3 points of top-1
+    under an AVX2 cap with 8-bit activations."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert int8_reduce_range()
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not int8_reduce_range()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert int8_reduce_range()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert int8_reduce_range()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    assert not int8_reduce_range()
 
 
 def test_same_padding_becomes_the_equal_numeric_padding():
