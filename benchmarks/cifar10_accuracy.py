@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tta", default=None, choices=["none", "flip", "flip_translate"], help="default: recipe's"
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend instead of the recipe's (Inductor); 'aot_eager' in dry runs: the same "
+        "Trainer, strategy and graphs, without generating and building C++",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--no-write", action="store_true", help="do not write the JSON (smoke tests)")
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import lightning.pytorch as pl
 
-    from lcv_vision.recipes import build, build_trainer, get_recipe
+    from lcv_vision.recipes import build, build_trainer, get_recipe, trainer_kwargs
 
     recipe = get_recipe(args.recipe)
     gpu = torch.cuda.is_available()
@@ -87,9 +93,18 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = time.perf_counter()
     run_dir = tempfile.mkdtemp(prefix="lcv-cifar10-accuracy-")  # the strategy's compile cache goes here
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
+    strategy = {}
+    if args.compile_backend:
+        from lightning_plugin import CompiledStrategy
+
+        settings = trainer_kwargs(recipe, gpu)["strategy"]["init_args"]
+        if args.compile_backend != "inductor":
+            settings = {**settings, "mode": None}  # Inductor's modes mean nothing to another backend
+        strategy = {"strategy": CompiledStrategy(**{**settings, "backend": args.compile_backend})}
     trainer = build_trainer(
         recipe,
         gpu=gpu,
+        **strategy,
         default_root_dir=run_dir,
         max_epochs=args.epochs or recipe.epochs,
         logger=False,
@@ -135,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": machine_info()["device"],
         "precision": trainer.precision,
         "strategy": type(trainer.strategy).__name__,
+        "compile_backend": args.compile_backend or "the recipe's (inductor)",
         "settings_used": used,
         "full_recipe": full,
         "reduced": {k: {"full": full[k], "used": used[k]} for k in full if full[k] != used[k]},

@@ -267,6 +267,8 @@ def steps(data_zip: str | None = None) -> list[Step]:
                 "16",
                 "--batch-size",
                 "16",
+                "--compile-backend",
+                "aot_eager",
             ],
             needs_file=data_zip,
         ),

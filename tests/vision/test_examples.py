@@ -25,13 +25,30 @@ def _load(relative: str):
     return module
 
 
+@pytest.fixture
+def traced_only(monkeypatch):
+    """Recipes' strategies with ``aot_eager`` (dynamo and AOTAutograd trace, nothing is built in C++): for the
+    examples whose subject is a flag, not Inductor's code (``test_train_cifar10_smoke`` keeps Inductor)."""
+    from lcv_vision.recipes import _build
+
+    real = _build.trainer_kwargs
+
+    def traced(recipe, gpu=None):
+        kwargs = real(recipe, gpu)
+        settings = kwargs["strategy"]["init_args"]
+        kwargs["strategy"]["init_args"] = {**settings, "backend": "aot_eager", "mode": None}
+        return kwargs
+
+    monkeypatch.setattr(_build, "trainer_kwargs", traced)
+
+
 def test_train_cifar10_smoke(capsys):
     result = _load("examples/train_cifar10.py").main(["--smoke"])
     assert 0.0 <= result["test/acc"] <= 1.0
     assert "cifar10-airbench: test accuracy" in capsys.readouterr().out
 
 
-def test_train_cifar10_other_recipe_and_errors():
+def test_train_cifar10_other_recipe_and_errors(traced_only):
     example = _load("examples/train_cifar10.py")
     assert 0.0 <= example.main(["--smoke", "--recipe", "cifar10-resnet18"])["test/acc"] <= 1.0
     with pytest.raises(SystemExit, match="--data-root DIR"):
@@ -40,7 +57,7 @@ def test_train_cifar10_other_recipe_and_errors():
         example.main(["--recipe", "digits-small", "--smoke"])
 
 
-def test_train_imagefolder_smoke(capsys):
+def test_train_imagefolder_smoke(capsys, traced_only):
     """A torchvision backbone by name through the example. Its default (the recipe's ResNet-50) trains in
     test_recipes_run.py; compiling it here too cost a minute of CI for nothing the recipe test misses."""
     example = _load("examples/train_imagefolder.py")
@@ -79,6 +96,8 @@ def test_cifar10_accuracy_benchmark_tiny(cifar_zip, tmp_path, monkeypatch):
             "flip",
             "--tag",
             "test",
+            "--compile-backend",
+            "aot_eager",  # the subject is the record; test_train_cifar10_smoke trains the recipe with Inductor
         ]
     )
     written = json.loads((tmp_path / "cifar10_accuracy-cpu-test.json").read_text())
@@ -86,3 +105,4 @@ def test_cifar10_accuracy_benchmark_tiny(cifar_zip, tmp_path, monkeypatch):
     assert written["train_images"] == 200 and written["test_images"] == 200 and written["steps"] == 4
     assert written["reduced"]["epochs"] == {"full": 10, "used": 1}
     assert written["reduced"]["tta"] == {"full": "flip_translate", "used": "flip"}
+    assert written["compile_backend"] == "aot_eager" and written["strategy"] == "CompiledStrategy"
