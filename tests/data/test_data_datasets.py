@@ -10,8 +10,17 @@ import pytest
 import torch
 from PIL import Image
 
+import lcv_vision.data.compiled as compiled_data
 from lcv_vision.data import CIFAR10DataModule, CorruptImageError, DigitsDataModule, ImageFolderDataModule
 from lcv_vision.data.datasets import load_digits_images, load_image_folder, stratified_split
+
+
+@pytest.fixture(autouse=True)
+def _traced_pipelines(monkeypatch):
+    """Pipelines traced by dynamo and AOTAutograd, not built by Inductor (a C++ build per pipeline): what the
+    loaders and data sets hand out is the subject here; tests/data/test_data_compiled.py checks Inductor's
+    pipeline code against the eager ops."""
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")
 
 
 def _write_folder(root, sizes, bad=()):

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import lcv_vision.data.compiled as compiled_data
 from lcv_vision.data import ColorJitter, HorizontalFlip, Normalize, Pipeline, RandomResizedCrop
 from lcv_vision.data.functional import color_jitter_cpu
 from lcv_vision.data.functional.color import color_jitter
@@ -162,7 +163,10 @@ def test_the_pipeline_with_the_kernel_equals_its_torch_path(
     real_images, monkeypatch, compile_, dtype, channels_last
 ):
     """The same batches as ColorJitter's torch ops (eager or compiled): the kernel stores into the batch or
-    its result is converted like theirs.  80 px: large output, the batch runs in slices on the workers."""
+    its result is converted like theirs.  80 px: large output, the batch runs in slices on the workers.
+    Compiled with ``aot_eager``: the kernel between the compiled segments is the subject, not Inductor's code
+    (tests/data/test_data_compiled.py checks that against the eager ops)."""
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")
     ops = [RandomResizedCrop(80), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=0.8), Normalize()]
     x = _images(12, 3, 96, 96, real_images)
     pipe = Pipeline(ops, compile=compile_, dtype=dtype, channels_last=channels_last)
@@ -186,6 +190,7 @@ def test_without_a_compiler_the_pipeline_runs_the_torch_ops_after_one_warning(re
 
     monkeypatch.setattr(color_jitter_cpu, "_state", {})
     monkeypatch.setattr(color_jitter_cpu, "build", no_compiler)
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")  # the fallback is the subject, not Inductor
     ops = [RandomResizedCrop(80), HorizontalFlip(), ColorJitter(0.4, 0.4, 0.4, 0.1, p=1.0), Normalize()]
     x = _images(12, 3, 96, 96, real_images)
     pipe = Pipeline(ops)

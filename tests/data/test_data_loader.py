@@ -7,9 +7,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import lcv_vision.data.compiled as compiled_data
 from lcv_kernels.tolerances import image_tolerance
 from lcv_vision.data import DeviceLoader, DigitsDataModule, HorizontalFlip, Normalize, Pipeline, RandomCrop
 from lcv_vision.data.loader import shard_indices
+
+
+@pytest.fixture(autouse=True)
+def _traced_pipelines(monkeypatch):
+    """Pipelines traced by dynamo and AOTAutograd, not built by Inductor (a C++ build per pipeline): what the
+    loaders and data sets hand out is the subject here; tests/data/test_data_compiled.py checks Inductor's
+    pipeline code against the eager ops."""
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")
 
 
 def _data(n=103):

@@ -20,6 +20,7 @@ pytest.importorskip(
     "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
 )
 
+import lcv_vision.data.compiled as compiled_data
 from lcv_args import TINY_QUIET
 from lcv_vision.cli import LcvCLI, _recipe_name, main, run
 from lcv_vision.recipes import get_recipe, list_recipes
@@ -172,8 +173,11 @@ def test_recipe_found_in_config_and_checkpoint(tmp_path):
 
 
 def test_fit_test_predict_round_trip(tmp_path, monkeypatch, capsys):
+    """The model and the data pipeline traced (``aot_eager``), not built by Inductor: the commands' round trip
+    is the subject; tests/vision/test_quiet_main_job.py runs ``lcv fit`` through Inductor."""
     monkeypatch.chdir(tmp_path)
-    tiny = TINY_QUIET
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")
+    tiny = [*TINY_QUIET, "--trainer.strategy.backend", "aot_eager"]
     fit = run(
         [
             "fit",

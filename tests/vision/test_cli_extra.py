@@ -12,11 +12,14 @@ pytest.importorskip(
     "jsonargparse", reason="the lcv CLI needs jsonargparse (a dependency of lightning[pytorch-extra])"
 )
 
+import lcv_vision.data.compiled as compiled_data
 from lcv_args import TINY_QUIET
 from lcv_vision.cli import run
 from lcv_vision.models import create_model
 
-TINY = TINY_QUIET
+#: The model and the data pipeline are traced (``aot_eager``), not built by Inductor: the checkpoint's
+#: weights are the subject; tests/vision/test_quiet_main_job.py runs ``lcv fit`` through Inductor.
+TINY = [*TINY_QUIET, "--trainer.strategy.backend", "aot_eager"]
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +51,7 @@ def _evaluate_checkpointed_weights(path: str, loader) -> tuple[float, float]:
 
 def test_validate_from_the_last_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")
     fit = run(
         [
             "fit",

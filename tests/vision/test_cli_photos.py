@@ -163,10 +163,17 @@ def test_fit_summary_checkpoints_and_quiet_output(capfd, caplog, photo_folder):
     assert hparams["root"] == photo_folder and hparams["batch_size"] == 4  # logged as data/* by the monitor
 
 
-def test_checkpoint_of_another_recipe_is_refused_and_command_line_wins(capfd, photo_folder):
-    fit = run(
-        ["fit", *SMALL, "--data.root", photo_folder, "--trainer.max_epochs", "1", "--test_after_fit", "false"]
+def test_checkpoint_of_another_recipe_is_refused_and_command_line_wins(capfd, photo_folder, monkeypatch):
+    """Trained eagerly, model and data pipeline: the checkpoint's recipe and settings are the subject;
+    test_fit_summary_checkpoints_and_quiet_output runs this recipe compiled."""
+    from lcv_vision.data.pipeline import Pipeline
+
+    init = Pipeline.__init__
+    monkeypatch.setattr(
+        Pipeline, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "compile": False})
     )
+    eager = ["--trainer.strategy.compile", "never", "--test_after_fit", "false"]
+    fit = run(["fit", *SMALL, "--data.root", photo_folder, "--trainer.max_epochs", "1", *eager])
     last = fit.trainer.checkpoint_callback.last_model_path
     capfd.readouterr()
     line = _fails_keeping(capfd, ["test", "--recipe", "digits-small", "--ckpt_path", last])

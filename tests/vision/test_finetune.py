@@ -124,9 +124,11 @@ def test_lcv_fit_from_a_weights_file_and_offline_pretrained(
 ):
     """Through ``lcv``: the file's backbone is trained on the photo folder's 2 classes; offline ``pretrained``
     is one error line."""
+    import lcv_vision.data.compiled as compiled_data
     from lcv_vision.cli import main, run
 
     monkeypatch.setattr(sys, "argv", ["lcv"])
+    monkeypatch.setattr(compiled_data, "BACKEND", "aot_eager")  # the data pipeline too: traced, not built
     monkeypatch.chdir(tmp_path)
     torch.save(_source(), tmp_path / "w.pt")
     args = [
