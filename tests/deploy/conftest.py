@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,21 @@ def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Call
     return path
 
 
+@contextmanager
+def _eager_data_pipelines() -> Iterator[None]:
+    """The DataModule's augmentation graphs traced by dynamo but run eagerly (no Inductor compile, ~12 s of a
+    cold-cache run): the shared checkpoint and the int8 calibration batch are inputs of the deploy tests, not
+    their subject (tests/data/test_data_compiled.py checks the compiled pipelines against eager)."""
+    import lcv_vision.data.compiled as compiled
+
+    saved = compiled.BACKEND
+    compiled.BACKEND = "eager"
+    try:
+        yield
+    finally:
+        compiled.BACKEND = saved
+
+
 def _train_digits(path: Path) -> None:
     import lightning.pytorch as pl
 
@@ -63,7 +79,8 @@ def _train_digits(path: Path) -> None:
         default_root_dir=str(path.parent),
         precision="32-true",
     )
-    trainer.fit(module, datamodule=datamodule)
+    with _eager_data_pipelines():
+        trainer.fit(module, datamodule=datamodule)
     trainer.save_checkpoint(path)
 
 
@@ -90,7 +107,7 @@ def int8_package(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     from lcv_vision.deploy.export import export_package
 
     def build(out: Path) -> None:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _eager_data_pipelines():
             warnings.simplefilter("always")
             export_package(digits_checkpoint, out, quantize="int8", calibration_count=CALIBRATION_IMAGES)
         shown = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]

@@ -36,7 +36,12 @@ def _rgb_photos(photo_folder: str, root: Path) -> Path:
         {"storage": "encoded"},  # one fractional resample per image
     ],
 )
-def test_host_transform_gives_the_datamodules_eval_pixels(photo_folder, tmp_path, data):
+def test_host_transform_gives_the_datamodules_eval_pixels(photo_folder, tmp_path, data, monkeypatch):
+    import lcv_vision.data.compiled as compiled
+
+    # The pipeline's ops and segments as compiled, run eagerly: the ops are under test here, Inductor's code for
+    # them in tests/data/test_data_compiled.py (integer ops bitwise, float ops within rounding).
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
     root = _rgb_photos(photo_folder, tmp_path / "photos")
     datamodule = build_datamodule("imagefolder-small", root=str(root), image_size=32, num_workers=0, **data)
     transform = HostTransform.from_datamodule(datamodule)

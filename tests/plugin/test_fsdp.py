@@ -401,12 +401,13 @@ def test_activation_checkpointing_and_mixed_precision_on_one_rank(precision, one
         torch.testing.assert_close(got[key].to(expected.dtype), expected, atol=atol, rtol=rtol, msg=key)
 
 
-def test_lcv_export_of_a_sharded_checkpoint_gives_the_eager_logits(one_process_group, tmp_path):
+def test_lcv_export_of_a_sharded_checkpoint_gives_the_eager_logits(one_process_group, tmp_path, monkeypatch):
     """A digits-small run of ``lcv fit``'s module on ``compiled_fsdp`` (1 process, 2 steps) saves a sharded
     folder; consolidated, ``lcv export`` packages it, and the package's logits are those of the trained
     module gathered in the training process (the folder itself loads to the same network)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    import lcv_vision.data.compiled as compiled
     from lcv_vision.cli import main as lcv
     from lcv_vision.deploy import load_package
     from lcv_vision.deploy.export import load_trained
@@ -415,6 +416,9 @@ def test_lcv_export_of_a_sharded_checkpoint_gives_the_eager_logits(one_process_g
     from lightning_plugin import CompiledFSDPStrategy
     from lightning_plugin.strategies.fsdp_checkpoint import consolidate_checkpoint
 
+    # The augmentation graphs run eagerly (no Inductor compile of them): the checkpoint's path to a package is
+    # under test, not the data pipeline (tests/data/test_data_compiled.py).
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
     L.seed_everything(0, verbose=False)
     module, datamodule = build("digits-small")
     trainer = L.Trainer(

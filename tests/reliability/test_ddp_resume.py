@@ -91,6 +91,11 @@ def _script(out: Path) -> None:
         trainer.fit(model, datamodule=DigitsDataModule(batch_size=64, image_size=8), ckpt_path=ckpt_path)
         return trainer
 
+    import lcv_vision.data.compiled as compiled
+
+    # Each fit builds a new DataModule, whose augmentation graph Inductor would compile anew on both ranks; the
+    # resume is under test, not that code (tests/data/test_data_compiled.py): dynamo traces it, eager runs it.
+    compiled.BACKEND = "eager"
     torch.manual_seed(0)
     full_model, logger = DigitsNet(), EveryRankLogger()
     full = fit(full_model, callbacks=[TrainingMonitor(measure_flops=False)], logger=logger)
