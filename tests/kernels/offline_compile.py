@@ -26,9 +26,9 @@ def pointer_offset_widths(ttir: str) -> list[str]:
     return _ADDPTR_TENSOR_OFFSET.findall(ttir)
 
 
-def run_offline_compile(script: str, as_main: bool = False) -> None:
+def run_offline_compile(script: str, as_main: bool = False) -> str:
     """Run ``script`` in a fresh process with the interpreter off; it must print ``compiled``. With
-    ``as_main`` it runs from a file as ``__main__`` (what a process pool in it needs)."""
+    ``as_main`` it runs from a file as ``__main__`` (what a process pool in it needs). Returns its stdout."""
     import tempfile
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join((_ROOT, _HERE))}
@@ -45,6 +45,7 @@ def run_offline_compile(script: str, as_main: bool = False) -> None:
         pytest.skip("Triton's ptxas is not available")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiled" in proc.stdout
+    return proc.stdout
 
 
 # Pointer arguments of the conv kernel that hold fp32 (epilogue vectors and statistics buffers); the others
@@ -130,6 +131,17 @@ _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def register_use_from_log(log: str) -> tuple[int, int] | None:
+    """``(registers, spill bytes)`` a thread from a ``ptxas -v`` log, or None if it has none. Triton prints
+    its own ``ptxas -v`` log (the flags a launch uses) when ``TRITON_DUMP_PTXAS_LOG=1``; a kernel that came
+    from Triton's cache ran no ptxas and needs :func:`register_use`."""
+    registers = _PTXAS_REGISTERS.findall(log)
+    spills = _PTXAS_SPILLS.findall(log)
+    if not registers or not spills:
+        return None
+    return int(registers[-1]), sum(int(b) for b in spills[-1])
+
+
 def register_use(ptx: str) -> tuple[int, int]:
     """``(registers, spill bytes)`` a thread, from ``ptxas -v`` on ``ptx`` for sm_90a (Triton's own ptxas)."""
     import tempfile
@@ -146,7 +158,6 @@ def register_use(ptx: str) -> tuple[int, int]:
             text=True,
             check=True,
         )
-    log = proc.stderr + proc.stdout
-    registers = _PTXAS_REGISTERS.findall(log)
-    spills = _PTXAS_SPILLS.findall(log)
-    return int(registers[-1]), sum(int(b) for b in spills[-1])
+    use = register_use_from_log(proc.stderr + proc.stdout)
+    assert use is not None, "ptxas -v printed no register use"
+    return use

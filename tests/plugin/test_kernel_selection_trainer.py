@@ -147,7 +147,9 @@ def auto_as_on_cuda(monkeypatch, tmp_path):
     return clock
 
 
-def test_trainer_selects_at_the_first_forward_and_logs_the_decisions(auto_as_on_cuda, caplog, tmp_path):
+def test_trainer_selects_at_the_first_forward_and_logs_the_decisions(
+    auto_as_on_cuda, reference_ops, caplog, tmp_path
+):
     clock = auto_as_on_cuda
     module = BlockModule()
     strategy = CompiledStrategy(backend="eager")
@@ -246,7 +248,7 @@ def test_regional_compile_selects_before_any_block_is_traced(
     assert not [r for r in strategy.compile_stats.recompile_reasons if "grad_mode" in r]
 
 
-def test_validate_alone_times_the_forward_in_eval_mode(auto_as_on_cuda):
+def test_validate_alone_times_the_forward_in_eval_mode(auto_as_on_cuda, reference_ops):
     strategy = CompiledStrategy(backend="eager")
     _trainer(strategy=strategy).validate(BlockModule(), _loader(4))
     assert {d.signature.mode for d in strategy.kernel_decisions} == {"eval"}
