@@ -125,6 +125,9 @@ async def _answer(send: Send, status: int, payload: dict[str, str]) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+SHUTDOWN_GRACE_S = 5
+
+
 def build_server(
     package: str | Path,
     max_batch_size: int = 8,
@@ -146,13 +149,17 @@ def build_server(
     from lcv_vision.deploy.serve_api import ClassifierAPI  # imports litserve, checked above
 
     api = ClassifierAPI(str(package), info, top_k, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
-    return ls.LitServer(
+    server = ls.LitServer(
         api,
         accelerator="cuda" if info.device == "cuda" else "cpu",
         devices=1,
         workers_per_device=workers,
         middlewares=[(ImageIntake, {"transform": info.transform, "max_bytes": max_bytes})],
     )
+    # On Ctrl-C LitServe waits this long for open requests, then for its HTTP process (30 s each by default);
+    # a classifier's request takes milliseconds, so a stop takes seconds, not a minute.
+    server.uvicorn_graceful_timeout = SHUTDOWN_GRACE_S
+    return server
 
 
 def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:

@@ -5,6 +5,7 @@ optional extra) at module level, and LitServe's workers are spawned processes th
 its module path."""
 
 import base64
+import signal
 from typing import Any
 
 import litserve as ls
@@ -27,6 +28,9 @@ class ClassifierAPI(ls.LitAPI):
         self.model: DeployedModel | None = None
 
     def setup(self, device: str) -> None:
+        # Ctrl-C reaches the whole process group: the server process stops this worker itself (SIGTERM, then
+        # SIGKILL), so the worker ignores SIGINT rather than print a KeyboardInterrupt trace from its queue wait.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.model = load_package(self.package)
 
     # LitServe picks how to read a body by this annotation (hence no postponed annotations in this module):
