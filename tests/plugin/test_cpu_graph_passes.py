@@ -64,13 +64,6 @@ def _with_ties(shape, generator, channels_last):
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
-def _pool_grads(fn, x, grad):
-    leaf = x.detach().clone().requires_grad_()
-    out = fn(leaf)
-    out.backward(grad)
-    return out, leaf.grad
-
-
 # ------------------------------------------------------------------------------------------ max-pool backward
 #: (shape, kernel, ceil_mode) of the pools compiled together in one graph: the gather sees each of them
 TIED_POOLS = [
