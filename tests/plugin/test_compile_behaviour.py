@@ -20,10 +20,22 @@ def fit(module, strategy, loader=None, validate=True, **overrides):
     return trainer
 
 
-def test_zero_graph_breaks_with_self_log_in_steps():
-    strategy = CompiledStrategy(backend="aot_eager")
-    fit(TinyModule(), strategy)
-    stats = strategy.compile_stats
+@pytest.fixture(scope="module")
+def plain_fit_stats(tmp_path_factory):
+    """The compile stats of one plain aot_eager fit, which several tests read (one fit, not one each). Set
+    up as conftest's per-test fixtures would: seeded, an empty decision cache, dynamo reset after."""
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LCV_KERNEL_CACHE_DIR", str(tmp_path_factory.mktemp("lcv_decisions")))
+        strategy = CompiledStrategy(backend="aot_eager")
+        fit(TinyModule(), strategy)
+    torch._dynamo.reset()
+    return strategy.compile_stats
+
+
+@pytest.mark.xdist_group("plain_fit")  # one worker builds the module fixture (else each worker does)
+def test_zero_graph_breaks_with_self_log_in_steps(plain_fit_stats):
+    stats = plain_fit_stats
     assert stats.graphs >= 1
     assert stats.graph_breaks == 0, stats.break_reasons
     assert not stats.fell_back
@@ -42,10 +54,9 @@ def test_known_recompiles_are_counted_with_reasons():
     assert stats.as_dict()["recompiles"] == stats.recompiles
 
 
-def test_compile_time_covers_tracing_not_only_the_backend():
-    strategy = CompiledStrategy(backend="aot_eager")
-    fit(TinyModule(), strategy)
-    stats = strategy.compile_stats
+@pytest.mark.xdist_group("plain_fit")
+def test_compile_time_covers_tracing_not_only_the_backend(plain_fit_stats):
+    stats = plain_fit_stats
     # dynamo's own timer around each frame's compile includes the backend call plus tracing and guards.
     assert stats.compile_time_s > stats.backend_time_s > 0
     assert stats.as_dict()["compile_time_s"] == stats.compile_time_s

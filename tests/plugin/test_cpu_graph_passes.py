@@ -64,37 +64,42 @@ def _with_ties(shape, generator, channels_last):
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
-def _pool_grads(fn, x, grad):
-    leaf = x.detach().clone().requires_grad_()
-    out = fn(leaf)
-    out.backward(grad)
-    return out, leaf.grad
-
-
 # ------------------------------------------------------------------------------------------ max-pool backward
-@pytest.mark.parametrize(
-    ("shape", "kernel", "ceil_mode"),
-    [
-        ((2, 3, 31, 31), 2, False),  # airbench's odd map: the last row and column belong to no window
-        ((2, 3, 31, 31), 2, True),  # ceil mode: the last window is cut off
-        ((1, 17, 7, 9), 3, False),  # N=1, C not a multiple of 16, H != W, k=3
-        ((3, 5, 9, 10), 3, True),
-        ((2, 4, 1, 6), 1, False),  # H=1, a 1x1 "pool"
-    ],
-)
-def test_pool_backward_gather_equals_eager_bitwise_with_ties(shape, kernel, ceil_mode):
+#: (shape, kernel, ceil_mode) of the pools compiled together in one graph: the gather sees each of them
+TIED_POOLS = [
+    ((2, 3, 31, 31), 2, False),  # airbench's odd map: the last row and column belong to no window
+    ((2, 3, 31, 31), 2, True),  # ceil mode: the last window is cut off
+    ((1, 17, 7, 9), 3, False),  # N=1, C not a multiple of 16, H != W, k=3
+    ((3, 5, 9, 10), 3, True),
+    ((2, 4, 1, 6), 1, False),  # H=1, a 1x1 "pool"
+]
+
+
+def test_pool_backward_gather_equals_eager_bitwise_with_ties():
+    """Every case of TIED_POOLS in one compiled function (one compile, not five): each pool's output and
+    input gradient bitwise equal to eager's, the gradient in channels_last."""
     g = torch.Generator().manual_seed(0)
-    x = _with_ties(shape, g, channels_last=True)
+    xs = [_with_ties(shape, g, channels_last=True) for shape, _, _ in TIED_POOLS]
 
-    def pool(t):
-        return F.max_pool2d(t, kernel, ceil_mode=ceil_mode)
+    def pools(*ts):
+        return tuple(
+            F.max_pool2d(t, kernel, ceil_mode=ceil_mode) for t, (_, kernel, ceil_mode) in zip(ts, TIED_POOLS)
+        )
 
-    grad = torch.randn(pool(x).shape, generator=g, dtype=torch.float64)
-    want_y, want_dx = _pool_grads(pool, x, grad)
-    got_y, got_dx = _pool_grads(torch.compile(pool, backend=cpu_backend()), x, grad)
-    assert torch.equal(got_y, want_y)
-    assert torch.equal(got_dx, want_dx)
-    assert got_dx.is_contiguous(memory_format=torch.channels_last)
+    grads = [torch.randn(y.shape, generator=g, dtype=torch.float64) for y in pools(*xs)]
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        outs = fn(*leaves)
+        torch.autograd.backward(outs, grads)
+        return outs, [leaf.grad for leaf in leaves]
+
+    want_y, want_dx = run(pools)
+    got_y, got_dx = run(torch.compile(pools, backend=cpu_backend()))
+    for case, gy, wy, gdx, wdx in zip(TIED_POOLS, got_y, want_y, got_dx, want_dx, strict=True):
+        assert torch.equal(gy, wy), case
+        assert torch.equal(gdx, wdx), case
+        assert gdx.is_contiguous(memory_format=torch.channels_last), case
 
 
 def test_pool_backward_of_an_expanded_gradient():
@@ -192,9 +197,12 @@ class _WhitenedConv(nn.Module):
         return self.conv(F.gelu(self.whiten(x)))
 
 
-@pytest.mark.parametrize(
-    ("shape", "conv"),
-    [
+#: (input shape, conv options, channels_last) of the models compiled together in one graph: the rewrite sees
+#: each of their patterns
+WHITENED_CASES = [
+    (shape, conv, channels_last)
+    for channels_last in (True, False)
+    for shape, conv in [
         ((2, 3, 12, 12), {}),  # airbench's pair: 3x3, same padding
         ((1, 3, 9, 14), {"kernel": 3, "stride": 2, "padding": 0}),  # N=1, odd H != W, stride 2
         (
@@ -202,26 +210,45 @@ class _WhitenedConv(nn.Module):
             {"c_mid": 17, "c_out": 4, "kernel": 2, "dilation": 2, "padding": 1},
         ),  # odd C, dilation
         ((2, 3, 6, 6), {"kernel": 1, "padding": 0}),  # 1x1
-    ],
-)
-@pytest.mark.parametrize("channels_last", [True, False])
-def test_bias_gradient_through_a_conv_matches_eager_in_float64(shape, conv, channels_last):
+    ]
+]
+
+
+class _Several(nn.Module):
+    """Independent models run side by side: one graph (one compile) holding each one's pattern."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, *xs):
+        return tuple(model(x) for model, x in zip(self.models, xs))
+
+
+def test_bias_gradient_through_a_conv_matches_eager_in_float64():
     torch.manual_seed(0)
-    eager = _WhitenedConv(c_in=shape[1], **conv).double()
-    x = torch.randn(*shape, dtype=torch.float64)
-    if channels_last:
-        eager, x = (
-            eager.to(memory_format=torch.channels_last),
-            x.contiguous(memory_format=torch.channels_last),
-        )
+    models, xs = [], []
+    for shape, conv, channels_last in WHITENED_CASES:
+        model = _WhitenedConv(c_in=shape[1], **conv).double()
+        x = torch.randn(*shape, dtype=torch.float64)
+        if channels_last:
+            model, x = (
+                model.to(memory_format=torch.channels_last),
+                x.contiguous(memory_format=torch.channels_last),
+            )
+        models.append(model)
+        xs.append(x)
+    eager = _Several(models)
     compiled = copy.deepcopy(eager)
-    grad = torch.randn(eager(x).shape, dtype=torch.float64)
-    eager(x).backward(grad)
-    torch.compile(compiled, backend=cpu_backend())(x).backward(grad)
-    tol = reduction_tolerance(torch.float64, network_length(eager, shape))
-    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
-        if want.requires_grad:
-            torch.testing.assert_close(got.grad, want.grad, atol=bound(tol, want.grad), rtol=0, msg=name)
+    grads = [torch.randn(y.shape, dtype=torch.float64) for y in eager(*xs)]
+    torch.autograd.backward(eager(*xs), grads)
+    torch.autograd.backward(torch.compile(compiled, backend=cpu_backend())(*xs), grads)
+    for case, want_model, got_model in zip(WHITENED_CASES, eager.models, compiled.models, strict=True):
+        tol = reduction_tolerance(torch.float64, network_length(want_model, case[0]))
+        for (name, want), got in zip(want_model.named_parameters(), got_model.parameters()):
+            if want.requires_grad:
+                msg = f"{name} of {case}"
+                torch.testing.assert_close(got.grad, want.grad, atol=bound(tol, want.grad), rtol=0, msg=msg)
 
 
 def test_the_conv_after_a_trained_bias_computes_no_input_gradient(python_wrapper):
@@ -302,52 +329,72 @@ def test_the_input_gradient_rewrite_drops_the_input_gradient_from_the_mask():
 WIDE = cpu_graph_passes.MATMUL_WEIGHT_GRADIENT_MIN_TAPS  # input channels x taps from which it applies
 
 
-@pytest.mark.parametrize(
-    ("c_in", "kernel", "conv", "size"),
-    [
+#: (input channels, kernel, conv options, map size, channels_last, bias) of the convs compiled together in
+#: one graph: the decomposition sees each of them
+WIDE_CASES = [
+    (*case, channels_last, bias)
+    for case in [
         (-(-WIDE // 9), 3, {"padding": 1}, 2),  # ResNet's last stage: 3x3 on a 2x2 map
         (-(-WIDE // 9), 3, {"padding": 1, "stride": 2}, 4),  # its strided first conv: 4x4 -> 2x2
         (WIDE, 1, {}, 1),  # 1x1 on a 1x1 map
         (-(-WIDE // 4) + 3, 2, {"padding": 1, "dilation": 2}, 1),  # dilation, odd channels, padding only
-    ],
-)
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
-def test_wide_conv_weight_gradient_on_a_tiny_map_matches_eager_in_float64(
-    python_wrapper, c_in, kernel, conv, size, channels_last, bias
-):
+    ]
+    for channels_last in (False, True)
+    for bias in (False, True)
+]
+
+
+def test_wide_conv_weight_gradient_on_a_tiny_map_matches_eager_in_float64(python_wrapper):
     """ResNet's last stage at 64 px: the weight gradient goes to ``unfold`` + ``mm`` (no oneDNN weight
-    gradient left in the code); input and bias gradients as before; every gradient equal to eager's."""
+    gradient left in the code); input and bias gradients as before; every gradient equal to eager's. Every
+    case of WIDE_CASES in one graph (one compile, not sixteen)."""
     torch.manual_seed(0)
-    eager = nn.Conv2d(c_in, 5, kernel, bias=bias, **conv).double()
-    x = torch.randn(3, c_in, size, size, dtype=torch.float64)
-    if channels_last:
-        eager, x = (
-            eager.to(memory_format=torch.channels_last),
-            x.contiguous(memory_format=torch.channels_last),
-        )
+    convs, xs = [], []
+    for c_in, kernel, conv, size, channels_last, bias in WIDE_CASES:
+        model = nn.Conv2d(c_in, 5, kernel, bias=bias, **conv).double()
+        x = torch.randn(3, c_in, size, size, dtype=torch.float64)
+        if channels_last:
+            model, x = (
+                model.to(memory_format=torch.channels_last),
+                x.contiguous(memory_format=torch.channels_last),
+            )
+        convs.append(model)
+        xs.append(x)
+    eager = _Several(convs)
     compiled = copy.deepcopy(eager)
-    leaf_e, leaf_c = x.clone().requires_grad_(), x.clone().requires_grad_()
-    grad = torch.randn(eager(x).shape, dtype=torch.float64)
-    eager(leaf_e).backward(grad)
-    code = _backward_code(lambda: torch.compile(compiled, backend=cpu_backend())(leaf_c).backward(grad))
-    assert "[True, False, False])" in code and "[True, True" not in code  # oneDNN: the input gradient only
-    tol = reduction_tolerance(torch.float64, network_length(eager, x.shape))
-    torch.testing.assert_close(leaf_c.grad, leaf_e.grad, atol=bound(tol, leaf_e.grad), rtol=0)
-    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, atol=bound(tol, want.grad), rtol=0, msg=name)
-        layout = torch._prims_common.suggest_memory_format(want.grad)  # no copy when accumulated
-        assert got.grad.is_contiguous(memory_format=layout), name
+    leaves_e = [x.clone().requires_grad_() for x in xs]
+    leaves_c = [x.clone().requires_grad_() for x in xs]
+    grads = [torch.randn(y.shape, dtype=torch.float64) for y in eager(*xs)]
+    torch.autograd.backward(eager(*leaves_e), grads)
+    code = _backward_code(
+        lambda: torch.autograd.backward(torch.compile(compiled, backend=cpu_backend())(*leaves_c), grads)
+    )
+    # oneDNN: the input gradient only, once per conv
+    assert code.count("[True, False, False])") == len(WIDE_CASES) and "[True, True" not in code
+    for case, want_conv, got_conv, leaf_e, leaf_c in zip(
+        WIDE_CASES, eager.models, compiled.models, leaves_e, leaves_c, strict=True
+    ):
+        tol = reduction_tolerance(torch.float64, network_length(want_conv, leaf_e.shape))
+        torch.testing.assert_close(
+            leaf_c.grad, leaf_e.grad, atol=bound(tol, leaf_e.grad), rtol=0, msg=str(case)
+        )
+        for (name, want), got in zip(want_conv.named_parameters(), got_conv.parameters()):
+            msg = f"{name} of {case}"
+            torch.testing.assert_close(got.grad, want.grad, atol=bound(tol, want.grad), rtol=0, msg=msg)
+            layout = torch._prims_common.suggest_memory_format(want.grad)  # no copy when accumulated
+            assert got.grad.is_contiguous(memory_format=layout), msg
 
 
-@pytest.mark.parametrize(("c_in", "size"), [(-(-WIDE // 9) - 1, 2), (-(-WIDE // 9), 3)])
-def test_narrower_convs_and_larger_maps_keep_onednns_weight_gradient(python_wrapper, c_in, size):
+def test_narrower_convs_and_larger_maps_keep_onednns_weight_gradient(python_wrapper):
     """Just under either threshold (fewer input channels x taps, or more than 4 output positions), where
-    oneDNN measured faster."""
-    model = nn.Conv2d(c_in, 4, 3, padding=1, bias=False)
-    x = torch.randn(2, c_in, size, size, requires_grad=True)
-    code = _backward_code(lambda: torch.compile(model, backend=cpu_backend())(x).sum().backward())
-    assert "[True, True, False])" in code
+    oneDNN measured faster. Both convs in one graph."""
+    cases = [(-(-WIDE // 9) - 1, 2), (-(-WIDE // 9), 3)]
+    model = _Several([nn.Conv2d(c_in, 4, 3, padding=1, bias=False) for c_in, _ in cases])
+    xs = [torch.randn(2, c_in, size, size, requires_grad=True) for c_in, size in cases]
+    code = _backward_code(
+        lambda: sum(y.sum() for y in torch.compile(model, backend=cpu_backend())(*xs)).backward()
+    )
+    assert code.count("[True, True, False])") == len(cases)
 
 
 # ---------------------------------------------------------------------------------------------- GELU's erf
@@ -414,9 +461,14 @@ def test_airbench_training_steps_match_eager_in_float64():
     compiler.restore(compiled)
 
 
-def test_graphs_compiled_with_the_passes_do_not_share_cache_entries_with_plain_ones(monkeypatch):
+def test_graphs_compiled_with_the_passes_are_cached_apart_from_plain_ones(monkeypatch):
     """Same Inductor options with and without the passes: the second compile must not be served the first
-    one's cached graph (AOTAutograd's key leaves decompositions out; the pass's uuid puts them in)."""
+    one's cached graph (AOTAutograd's key leaves decompositions out; the pass's uuid puts them in). A third
+    compile with the passes loads the second's: Inductor pickles the decomposition table it is given into its
+    cache key, and a table that does not pickle (some of torch's entries are C++ functions) made it bypass the
+    FX graph cache for every graph."""
+    from torch._dynamo.utils import counters
+
     calls = []
     op = torch.ops.aten.max_pool2d_with_indices_backward.default
 
@@ -429,18 +481,23 @@ def test_graphs_compiled_with_the_passes_do_not_share_cache_entries_with_plain_o
     model = ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
     plain = torch._TorchCompileInductorWrapper(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
+    counters.clear()
     try:
         with (
             fresh_cache(),
             torch._inductor.config.patch(fx_graph_cache=True),
             torch._functorch.config.patch(enable_autograd_cache=True),
         ):
-            for backend in (plain, cpu_backend()):
+            for i, backend in enumerate((plain, cpu_backend(), cpu_backend())):
                 torch._dynamo.reset()
                 torch.compile(model, backend=backend)(x.clone().requires_grad_()).sum().backward()
+                if i == 1:
+                    assert calls, "the compile with the passes was served the plain graph from the cache"
+                    hits = counters["aot_autograd"]["autograd_cache_hit"]
     finally:
         cpu_graph_passes.training_decompositions.cache_clear()
-    assert calls, "the compile with the passes was served the plain graph from the cache"
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] > hits  # the third compile loaded the second
 
 
 def test_backends_with_the_passes_compare_equal_only_to_each_other():
@@ -455,26 +512,6 @@ def test_backends_with_the_passes_compare_equal_only_to_each_other():
         make_backend("inductor", None, None, None, CompileStats(), torch.device("cuda")),
     ):
         assert not isinstance(plain.inner, cpu_inductor.CPUTrainingInductor)
-
-
-def test_graphs_compiled_with_the_passes_are_cached():
-    """Inductor pickles the decomposition table it is given into its cache key; a table that does not
-    pickle (some of torch's entries are C++ functions) made it bypass the FX graph cache for every graph."""
-    from torch._dynamo.utils import counters
-
-    model = ConvPool(nn.MaxPool2d(2)).to(memory_format=torch.channels_last)
-    x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
-    counters.clear()
-    with (
-        fresh_cache(),
-        torch._inductor.config.patch(fx_graph_cache=True),
-        torch._functorch.config.patch(enable_autograd_cache=True),
-    ):
-        for _ in range(2):
-            torch._dynamo.reset()
-            torch.compile(model, backend=cpu_backend())(x.clone().requires_grad_()).sum().backward()
-    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
-    assert counters["aot_autograd"]["autograd_cache_hit"] >= 1  # the second compile loaded the first
 
 
 def test_save_erf_leaves_activation_checkpointing_policies_alone():

@@ -174,58 +174,78 @@ def test_user_options_or_tune_cpu_false_switch_the_tuning_off(layout_decisions, 
 
 
 # ---------------------------------------------------------------------------------------------- matches eager
-def _train_steps(model: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+#: (model, input shape, channels_last), trained side by side in one compiled module (one training graph and
+#: one eval graph, not one of each per case)
+TUNED_CASES = [
+    (resnet18_fragment, (1, 3, 19, 13), False),  # N=1, odd sizes: BN statistics over H*W only
+    (SmallCNN, (3, 3, 11, 1), False),  # a size-1 dimension
+    (SmallCNN, (2, 3, 7, 9), True),
+]
+
+
+class _SideBySide(nn.Module):
+    """Independent models, each on its own input: their losses add, so each one's gradients are its own."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(model(x) for model, x in zip(self.models, xs))
+
+
+def _train_steps(model: nn.Module, batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     outputs = []
-    for x in batches:
-        out = model(x)
-        outputs.append(out.detach())
+    for xs in batches:
+        outs = model(*xs)
+        outputs.append(tuple(out.detach() for out in outs))
         optimizer.zero_grad()
-        out.square().mean().backward()
+        sum(out.square().mean() for out in outs).backward()
         optimizer.step()
     return outputs
 
 
-@pytest.mark.parametrize(
-    ("build", "shape", "channels_last"),
-    [
-        (resnet18_fragment, (1, 3, 19, 13), False),  # N=1, odd sizes: BN statistics over H*W only
-        (SmallCNN, (3, 3, 11, 1), False),  # a size-1 dimension
-        (SmallCNN, (2, 3, 7, 9), True),
-    ],
-    ids=["resnet18_fragment_n1_odd", "small_cnn_w1", "small_cnn_channels_last"],
-)
-def test_compiled_training_with_the_tuning_matches_eager_in_float64(build, shape, channels_last):
+def test_compiled_training_with_the_tuning_matches_eager_in_float64():
     torch.manual_seed(0)
-    eager = build().double()
+    models = [build().double() for build, _, _ in TUNED_CASES]
+    for model, (_, _, channels_last) in zip(models, TUNED_CASES):
+        if channels_last:
+            model.to(memory_format=torch.channels_last)
+    eager = _SideBySide(models)
     compiled = copy.deepcopy(eager)
-    if channels_last:
-        eager.to(memory_format=torch.channels_last)
-        compiled.to(memory_format=torch.channels_last)
     compiler = ModuleCompiler(CompileConfig(fallback="raise"))
     assert compiler.compile(compiled, CPU)
     assert compiler._backend.inner.config == cpu_inductor.CPU_TRAINING_OPTIONS
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(2)]
-    if channels_last:
-        batches = [b.contiguous(memory_format=torch.channels_last) for b in batches]
+    batches = []
+    for _ in range(2):
+        xs = [torch.randn(*shape, generator=g, dtype=torch.float64) for _, shape, _ in TUNED_CASES]
+        layouts = [torch.channels_last if last else torch.contiguous_format for _, _, last in TUNED_CASES]
+        batches.append(tuple(x.contiguous(memory_format=layout) for x, layout in zip(xs, layouts)))
 
     # float64, the sums of forward and backward in another order, carried through the two steps
-    tol = trajectory_tolerance(torch.float64, network_length(eager, shape), len(batches))
+    tols = [
+        trajectory_tolerance(torch.float64, network_length(model, shape), len(batches))
+        for model, (_, shape, _) in zip(eager.models, TUNED_CASES)
+    ]
 
-    def close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
-        torch.testing.assert_close(got, want, atol=bound(tol, want), rtol=0, msg=msg or None)
+    def close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float], msg: str) -> None:
+        torch.testing.assert_close(got, want, atol=bound(tol, want), rtol=0, msg=msg)
 
-    for want, got in zip(_train_steps(eager, batches), _train_steps(compiled, batches)):
-        close(got, want)
-    for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
-        close(p_compiled.grad, p_eager.grad, f"grad of {name}")
-        close(p_compiled, p_eager, name)
-    for (name, b_eager), b_compiled in zip(eager.named_buffers(), compiled.buffers()):
-        close(b_compiled, b_eager, name)  # running stats, counts
+    for step, (wants, gots) in enumerate(zip(_train_steps(eager, batches), _train_steps(compiled, batches))):
+        for i, (want, got) in enumerate(zip(wants, gots, strict=True)):
+            close(got, want, tols[i], f"output of case {i} at step {step}")
+    for i, (want_model, got_model) in enumerate(zip(eager.models, compiled.models)):
+        for (name, p_eager), p_compiled in zip(want_model.named_parameters(), got_model.parameters()):
+            close(p_compiled.grad, p_eager.grad, tols[i], f"grad of {name} in case {i}")
+            close(p_compiled, p_eager, tols[i], f"{name} in case {i}")
+        for (name, b_eager), b_compiled in zip(want_model.named_buffers(), got_model.buffers()):
+            close(b_compiled, b_eager, tols[i], f"{name} in case {i}")  # running stats, counts
 
     eager.eval()
     compiled.eval()
-    close(compiled(batches[0]), eager(batches[0]))
+    for i, (want, got) in enumerate(zip(eager(*batches[0]), compiled(*batches[0]), strict=True)):
+        close(got, want, tols[i], f"eval output of case {i}")
     assert compiler.stats.graphs >= 2 and not compiler.stats.fell_back
     compiler.restore(compiled)
