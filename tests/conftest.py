@@ -111,3 +111,13 @@ def photo_copy(photo_folder, tmp_path):
     from pathlib import Path
 
     return Path(shutil.copytree(photo_folder, tmp_path / "photos"))
+
+
+@pytest.fixture
+def unoptimised_cpp_builds(monkeypatch):
+    """Inductor's C++ builds at ``-O0 -g`` (``TORCHINDUCTOR_DEBUG_COMPILE=1``, read at each build): the same
+    generated code with its layout assertions, the same operations in the same order (Inductor's flags keep
+    ``-ffp-contract=off``), only not optimised by g++, which was most of such a test's CPU time (the small
+    ResNet-50's forward graph: 23 s at ``-O3``, 9 s at ``-O0 -g``). For tests whose subject is Inductor's
+    code, not g++'s, nor the built code's speed."""
+    monkeypatch.setenv("TORCHINDUCTOR_DEBUG_COMPILE", "1")

@@ -300,15 +300,6 @@ def test_opcheck(case):
         torch.library.opcheck(OP, args)
 
 
-@pytest.fixture
-def unoptimised_cpp_builds(monkeypatch):
-    """Inductor's C++ builds at ``-O0 -g`` (``TORCHINDUCTOR_DEBUG_COMPILE=1``, read at each build): the same
-    generated code, the same operations in the same order (Inductor keeps ``-ffp-contract=off``), not
-    optimised by g++, which was most of the compile tests' CPU time. The op inside Inductor's graph is the
-    subject, not g++."""
-    monkeypatch.setenv("TORCHINDUCTOR_DEBUG_COMPILE", "1")
-
-
 def test_inside_torch_compile_fullgraph_forward_and_backward(unoptimised_cpp_builds):
     x = nhwc(torch.randn(2, 3, 5, 7, device=DEVICE)).requires_grad_()
     weight = torch.randn(4, 3, 3, 3, device=DEVICE, requires_grad=True)

@@ -121,16 +121,6 @@ def reference_ops(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-@pytest.fixture
-def unoptimised_cpp_builds(monkeypatch):
-    """Inductor's C++ builds at ``-O0 -g`` (``TORCHINDUCTOR_DEBUG_COMPILE=1``, read at each build): the same
-    generated code with its layout assertions, the same operations in the same order (Inductor's flags keep
-    ``-ffp-contract=off``), only not optimised by g++, which was most of these tests' CPU time (the small
-    ResNet-50's forward graph: 23 s at ``-O3``, 9 s at ``-O0 -g``). Inductor's code, not g++'s, is the
-    subject."""
-    monkeypatch.setenv("TORCHINDUCTOR_DEBUG_COMPILE", "1")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Models
 
