@@ -297,3 +297,40 @@ def test_a_compiled_cpu_graph_lets_other_python_threads_run():
         assert _gil_released_inside_compiled_code(lambda: pipe(images))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_per_image_resize_inside_rows_on_the_pool_does_not_wait_on_its_own_pool(real_images, monkeypatch):
+    """A pipeline's rows run on the pool's workers; a per-image resize inside them splits its images across
+    the pool again when torch says 2 threads (a process-wide count). Each worker then waited for tasks queued
+    behind itself: a CI run hung 15 minutes. On a worker the resize now runs its images itself."""
+    import threading
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    images = real_images[:4].contiguous()
+    n = images.shape[0]
+    top, left = torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)
+    height = torch.full((n,), images.shape[-2] - 1, dtype=torch.long)
+    width = torch.full((n,), images.shape[-1] - 3, dtype=torch.long)
+    expected = torch.cat(
+        [
+            resize_boxes(
+                images[i : i + 1],
+                top[i : i + 1],
+                left[i : i + 1],
+                height[i : i + 1],
+                width[i : i + 1],
+                (11, 9),
+            )
+            for i in range(n)
+        ]
+    )
+    out = torch.empty_like(expected)
+
+    def run_rows(rows: slice) -> None:
+        out[rows] = resize_boxes(images[rows], top[rows], left[rows], height[rows], width[rows], (11, 9))
+
+    runner = threading.Thread(target=Pipeline._map_rows, args=(n, 2, run_rows), daemon=True)
+    runner.start()
+    runner.join(timeout=120)  # a bound for a deadlock, not a speed: the work takes milliseconds
+    assert not runner.is_alive(), "the pool's workers wait on each other"
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)  # per image: the same calls either way

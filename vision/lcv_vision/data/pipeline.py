@@ -33,7 +33,7 @@ from torch import Tensor
 from lcv_vision.data.buffers import OutputBuffers
 from lcv_vision.data.color import Normalize
 from lcv_vision.data.compiled import CompiledOps, ops_runner
-from lcv_vision.data.functional.pool import cpu_pool
+from lcv_vision.data.functional.pool import cpu_pool, split_threads
 from lcv_vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
 __all__ = ["BatchOp", "Params", "Pipeline", "RaggedBatch", "check_image_batch"]
@@ -334,8 +334,8 @@ class Pipeline:
         (it compiles the graph: once, on one worker).
         """
         slices = [slice(s, s + chunk) for s in range(0, n, chunk)]
-        threads = torch.get_num_threads()
-        if threads <= 1 or len(slices) <= 1:
+        threads = split_threads(len(slices))
+        if threads <= 1:
             for rows in slices:
                 run_rows(rows)
             return

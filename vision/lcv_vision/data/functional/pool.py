@@ -9,11 +9,28 @@ like a DataLoader's worker processes, keep going instead.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_in_worker = threading.local()
+
+
+def _start_worker() -> None:
+    _in_worker.active = True
+    torch.set_num_threads(1)
+
+
+def split_threads(items: int) -> int:
+    """How many pool workers to split ``items`` across: torch's intra-op thread count (at most ``items``),
+    and 1 on a pool worker itself. A worker that mapped onto its own pool would wait for tasks queued
+    behind itself and its siblings: with every worker doing so, the pool deadlocks (a pipeline run on the
+    workers reaching a per-image resize did, once torch's thread count, which is process-wide, was 2)."""
+    if getattr(_in_worker, "active", False):
+        return 1
+    return max(1, min(torch.get_num_threads(), items))
 
 
 def cpu_pool(threads: int) -> ThreadPoolExecutor:
@@ -24,7 +41,5 @@ def cpu_pool(threads: int) -> ThreadPoolExecutor:
         threads,
     )  # a forked child (DataLoader worker) must not reuse the parent's dead threads
     if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(
-            threads, "vision-data", initializer=torch.set_num_threads, initargs=(1,)
-        )
+        _POOLS[key] = ThreadPoolExecutor(threads, "vision-data", initializer=_start_worker)
     return _POOLS[key]
