@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_size": args.batch_size,
         "num_workers": max(1, torch.get_num_threads()),
     }
+    strategy = {}
+    if args.compile_backend:  # built before the data, so a backend torch does not know fails at once
+        from lightning_plugin import CompiledStrategy
+
+        settings = trainer_kwargs(recipe, gpu, backend=args.compile_backend)["strategy"]["init_args"]
+        strategy = {"strategy": CompiledStrategy(**settings)}
     pl.seed_everything(args.seed, workers=True)
     started = time.perf_counter()
     module, datamodule = build(recipe, data=data, model=model_overrides)
@@ -93,14 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = time.perf_counter()
     run_dir = tempfile.mkdtemp(prefix="lcv-cifar10-accuracy-")  # the strategy's compile cache goes here
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
-    strategy = {}
-    if args.compile_backend:
-        from lightning_plugin import CompiledStrategy
-
-        settings = trainer_kwargs(recipe, gpu)["strategy"]["init_args"]
-        if args.compile_backend != "inductor":
-            settings = {**settings, "mode": None}  # Inductor's modes mean nothing to another backend
-        strategy = {"strategy": CompiledStrategy(**{**settings, "backend": args.compile_backend})}
     trainer = build_trainer(
         recipe,
         gpu=gpu,

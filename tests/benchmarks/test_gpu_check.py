@@ -130,7 +130,6 @@ def test_dry_run_runs_every_step_and_hands_over_versioned_results(tmp_path):
         "conv",
         "resnet_train",
         "loader",
-        "cifar10_accuracy",
         "strategy_overhead",
     }
     for machine in machines:

@@ -225,17 +225,18 @@ class _Several(nn.Module):
         return tuple(model(x) for model, x in zip(self.models, xs))
 
 
+def _in_layout(model: nn.Module, x: torch.Tensor, channels_last: bool) -> tuple[nn.Module, torch.Tensor]:
+    if not channels_last:
+        return model, x
+    return model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+
+
 def test_bias_gradient_through_a_conv_matches_eager_in_float64():
     torch.manual_seed(0)
     models, xs = [], []
     for shape, conv, channels_last in WHITENED_CASES:
         model = _WhitenedConv(c_in=shape[1], **conv).double()
-        x = torch.randn(*shape, dtype=torch.float64)
-        if channels_last:
-            model, x = (
-                model.to(memory_format=torch.channels_last),
-                x.contiguous(memory_format=torch.channels_last),
-            )
+        model, x = _in_layout(model, torch.randn(*shape, dtype=torch.float64), channels_last)
         models.append(model)
         xs.append(x)
     eager = _Several(models)
@@ -352,12 +353,7 @@ def test_wide_conv_weight_gradient_on_a_tiny_map_matches_eager_in_float64(python
     convs, xs = [], []
     for c_in, kernel, conv, size, channels_last, bias in WIDE_CASES:
         model = nn.Conv2d(c_in, 5, kernel, bias=bias, **conv).double()
-        x = torch.randn(3, c_in, size, size, dtype=torch.float64)
-        if channels_last:
-            model, x = (
-                model.to(memory_format=torch.channels_last),
-                x.contiguous(memory_format=torch.channels_last),
-            )
+        model, x = _in_layout(model, torch.randn(3, c_in, size, size, dtype=torch.float64), channels_last)
         convs.append(model)
         xs.append(x)
     eager = _Several(convs)

@@ -33,16 +33,12 @@ def traced_only(monkeypatch):
 
     real = _build.trainer_kwargs
 
-    def traced(recipe, gpu=None):
-        kwargs = real(recipe, gpu)
-        settings = kwargs["strategy"]["init_args"]
-        kwargs["strategy"]["init_args"] = {**settings, "backend": "aot_eager", "mode": None}
-        return kwargs
-
-    monkeypatch.setattr(_build, "trainer_kwargs", traced)
+    monkeypatch.setattr(
+        _build, "trainer_kwargs", lambda recipe, gpu=None: real(recipe, gpu, backend="aot_eager")
+    )
 
 
-def test_train_cifar10_smoke(capsys):
+def test_train_cifar10_smoke(capsys, optimised_cpp_builds):
     result = _load("examples/train_cifar10.py").main(["--smoke"])
     assert 0.0 <= result["test/acc"] <= 1.0
     assert "cifar10-airbench: test accuracy" in capsys.readouterr().out
@@ -106,3 +102,16 @@ def test_cifar10_accuracy_benchmark_tiny(cifar_zip, tmp_path, monkeypatch):
     assert written["reduced"]["epochs"] == {"full": 10, "used": 1}
     assert written["reduced"]["tta"] == {"full": "flip_translate", "used": "flip"}
     assert written["compile_backend"] == "aot_eager" and written["strategy"] == "CompiledStrategy"
+
+
+def test_cifar10_accuracy_benchmark_names_an_unknown_backend_before_loading_data(cifar_zip, monkeypatch):
+    import lcv_vision.recipes
+
+    bench = _load("benchmarks/cifar10_accuracy.py")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was loaded before the backend was checked")
+
+    monkeypatch.setattr(lcv_vision.recipes, "build", never)
+    with pytest.raises(ValueError, match="'no_such_backend' is not a registered torch.compile backend"):
+        bench.main(["--zip", cifar_zip, "--compile-backend", "no_such_backend", "--no-write"])

@@ -50,9 +50,9 @@ def _traced_only(recipe):
     from lcv_vision.recipes._build import trainer_kwargs
     from lightning_plugin import CompiledStrategy
 
-    settings = trainer_kwargs(recipe, gpu=False)["strategy"]["init_args"]
-    # modes are Inductor's; no compile cache: with logger=False it would be written into the working directory
-    return CompiledStrategy(**{**settings, "backend": "aot_eager", "mode": None, "cache": False})
+    settings = trainer_kwargs(recipe, gpu=False, backend="aot_eager")["strategy"]["init_args"]
+    # no compile cache: with logger=False it would be written into the working directory
+    return CompiledStrategy(**{**settings, "cache": False})
 
 
 @pytest.mark.parametrize("name", list_recipes())

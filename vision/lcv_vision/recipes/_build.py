@@ -55,7 +55,9 @@ def data_kwargs(recipe: Recipe | str) -> dict[str, Any]:
     }
 
 
-def trainer_kwargs(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, Any]:
+def trainer_kwargs(
+    recipe: Recipe | str, gpu: bool | None = None, backend: str | None = None
+) -> dict[str, Any]:
     """``Trainer`` settings the recipe decides: epochs, precision, and the strategy.
 
     ``strategy="compiled"`` with the recipe's compile settings on a GPU and on the CPU alike, with
@@ -65,10 +67,17 @@ def trainer_kwargs(recipe: Recipe | str, gpu: bool | None = None) -> dict[str, A
     GPU; fp32 on the CPU, where bf16 autocast is slow. On the CPU evaluation runs eagerly
     (``compile_eval=False``): an evaluation of a few batches never wins back the compile of its graph (two
     with the smaller last batch).
+
+    ``backend``: another ``torch.compile`` backend than the recipe's (Inductor), e.g. ``"aot_eager"`` to
+    trace the same graphs without generating and building code; Inductor's ``mode`` is then dropped.
     """
     recipe = _resolve(recipe)
     gpu = torch.cuda.is_available() if gpu is None else gpu
     settings = {"cache": True, **({} if gpu else {"compile_eval": False}), **recipe.compile}
+    if backend is not None:
+        settings["backend"] = backend
+        if backend != "inductor":
+            settings["mode"] = None  # Inductor's modes mean nothing to another backend
     return {
         "max_epochs": recipe.epochs,
         "precision": recipe.precision if gpu else "32-true",

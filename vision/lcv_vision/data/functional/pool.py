@@ -26,16 +26,16 @@ def _start_worker() -> None:
 def split_threads(items: int) -> int:
     """How many pool workers to split ``items`` across: torch's intra-op thread count (at most ``items``),
     and 1 on a pool worker itself. A worker that mapped onto its own pool would wait for tasks queued
-    behind itself and its siblings: with every worker doing so, the pool deadlocks (a pipeline run on the
-    workers reaching a per-image resize did, once torch's thread count, which is process-wide, was 2)."""
+    behind itself and its siblings: with every worker doing so, the pool deadlocks (a pipeline's rows run
+    on the workers, reaching a per-image resize that split its images across the same pool, once did)."""
     if getattr(_in_worker, "active", False):
         return 1
     return max(1, min(torch.get_num_threads(), items))
 
 
 def cpu_pool(threads: int) -> ThreadPoolExecutor:
-    """A shared pool of ``threads`` workers, each with one intra-op thread (OpenMP's setting is per
-    thread)."""
+    """A shared pool of ``threads`` workers, each with one intra-op thread. OpenMP's setting is per thread:
+    the caller's own count stays as it was (a new thread starts from the main thread's)."""
     key = (
         os.getpid(),
         threads,
