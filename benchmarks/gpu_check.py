@@ -533,10 +533,7 @@ def main() -> None:
             if p
         ),
     }
-    if args.dry_run:
-        # g++ at -O0 for Inductor's C++ (the loader's pipelines): the dry run checks commands, not speed
-        env["TORCHINDUCTOR_DEBUG_COMPILE"] = "1"
-    else:
+    if not args.dry_run:
         env.pop("TRITON_INTERPRET", None)
     info = machine_info()
     print(

@@ -300,7 +300,7 @@ def test_opcheck(case):
         torch.library.opcheck(OP, args)
 
 
-def test_inside_torch_compile_fullgraph_forward_and_backward():
+def test_inside_torch_compile_fullgraph_forward_and_backward(unoptimised_cpp_builds):
     x = nhwc(torch.randn(2, 3, 5, 7, device=DEVICE)).requires_grad_()
     weight = torch.randn(4, 3, 3, 3, device=DEVICE, requires_grad=True)
     shift = torch.randn(4, device=DEVICE, requires_grad=True)
@@ -614,7 +614,7 @@ def test_module_without_bn_and_nchw_input():
     assert_close(fused(x), F.silu(conv(x)), "conv")
 
 
-def test_module_inside_torch_compile_fullgraph_train_and_eval():
+def test_module_inside_torch_compile_fullgraph_train_and_eval(unoptimised_cpp_builds):
     eager, fused = _eager_and_fused("relu")
     compiled = torch.compile(fused, fullgraph=True)
     x = nhwc(torch.randn(2, 3, 5, 5, device=DEVICE))

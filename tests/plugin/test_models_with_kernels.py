@@ -763,7 +763,7 @@ INDUCTOR_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(INDUCTOR_CASES))
-def test_inductor_trains_like_fp32_eager(case, reference_ops):
+def test_inductor_trains_like_fp32_eager(case, reference_ops, unoptimised_cpp_builds):
     build, image_size, kinds = INDUCTOR_CASES[case]
     problems = _check_trains_like_fp32_eager(build(), _batches(image_size), "inductor", kinds)
     _assert_no_problems(problems, f"{case}, kernels='all', inductor:")

@@ -38,7 +38,7 @@ def traced_only(monkeypatch):
     )
 
 
-def test_train_cifar10_smoke(capsys, optimised_cpp_builds):
+def test_train_cifar10_smoke(capsys):
     result = _load("examples/train_cifar10.py").main(["--smoke"])
     assert 0.0 <= result["test/acc"] <= 1.0
     assert "cifar10-airbench: test accuracy" in capsys.readouterr().out
