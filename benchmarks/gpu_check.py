@@ -244,6 +244,8 @@ def steps(data_zip: str | None = None) -> list[Step]:
                 "2",
                 "--gpu-per-sample-images",
                 "4",
+                "--compile-backend",
+                "aot_eager",
                 "--repeats",
                 "1",
                 "--case-seconds",

@@ -480,7 +480,17 @@ def main() -> None:
         default=None,
         help="run the GPU rows on this device instead (e.g. 'cpu', to try the GPU code on tiny sizes)",
     )
+    ap.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of our compiled pipelines instead of Inductor; 'aot_eager' in dry runs: the "
+        "same traced graphs, no code generated and built",
+    )
     args = ap.parse_args()
+    if args.compile_backend:
+        import lcv_vision.data.compiled
+
+        lcv_vision.data.compiled.BACKEND = args.compile_backend
     torch.set_num_threads(2)
     if args.gpu_only:
         args.skip_cifar, args.jpeg_size, args.cpu_time = True, [], False

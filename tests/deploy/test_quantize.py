@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import zipfile
@@ -11,9 +12,16 @@ import torch
 from torch import nn
 
 from deploy_helpers import INT8_EXPORT_WARNINGS, run_fresh
+from lcv_kernels.tolerances import reduction_tolerance
 from lcv_vision.deploy import MissingExtraError, load_package
+from lcv_vision.deploy.capture import capture
 from lcv_vision.deploy.export import InferenceModel, example_batch
-from lcv_vision.deploy.quantize import int8_reduce_range, numeric_padding, quantize_int8
+from lcv_vision.deploy.quantize import (
+    batch_norms_as_affine,
+    int8_reduce_range,
+    numeric_padding,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.xdist_group("deploy")
 
@@ -93,3 +101,69 @@ def test_int8_export_shows_no_warning_from_torchs_own_code(int8_package):
     """Inductor's int8 lowering triggers torch's copy-construct advice; the user cannot act on it."""
     shown = json.loads((int8_package.parent / INT8_EXPORT_WARNINGS).read_text())
     assert not [w for w in shown if "copy construct" in w], shown
+
+
+def _conv_pool_norm(channels: int = 5) -> nn.Module:
+    """airbench's block (conv -> pool -> BN -> GELU), whose BatchNorm ``prepare_pt2e`` cannot fold into the conv,
+    and a conv -> BN pair, whose it can; statistics far from 0 and 1 so that a wrong map shows."""
+    model = nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1),
+        nn.MaxPool2d(2),
+        nn.BatchNorm2d(channels),
+        nn.GELU(),
+        nn.Conv2d(channels, 4, 1),
+        nn.BatchNorm2d(4, affine=False),
+    )
+    generator = torch.Generator().manual_seed(0)
+    for norm in (model[2], model[5]):
+        c = norm.num_features
+        norm.running_mean.copy_(torch.randn(c, generator=generator) * 3)
+        norm.running_var.copy_(torch.rand(c, generator=generator) * 4 + 0.1)
+        if norm.affine:
+            norm.weight.data.copy_(torch.randn(c, generator=generator))  # negative scales too
+            norm.bias.data.copy_(torch.randn(c, generator=generator))
+    return model.eval()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 3, 8, 8)])
+def test_batch_norms_become_the_same_affine_map(shape):
+    model = _conv_pool_norm()
+    x = torch.randn(*shape)
+    graph = capture(model, x, strict=True).module()
+    batch_norms_as_affine(graph)
+    left = [n for n in graph.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)]
+    assert not left, left
+    with torch.no_grad():
+        truth = copy.deepcopy(model).double()(x.double())
+        got = graph(x).double()
+    # the affine map rounds once or twice where BatchNorm rounds three times: fp32 steps of a short chain
+    # whose longest sum is the first conv's 27 products
+    torch.testing.assert_close(
+        got, truth, **dict(zip(("atol", "rtol"), reduction_tolerance(torch.float32, 27 * 4)))
+    )
+
+
+def test_convert_sees_no_batch_norm_so_skips_torchaos_qat_pattern_search(monkeypatch):
+    """torchao's conv-BN QAT fold exports 64 patterns whenever a BatchNorm is left (most of an int8 export's
+    time); after the rewrite none is left, and the quantized model still answers like the float one."""
+    from torchao.quantization.pt2e import quantize_pt2e
+
+    seen: list[list[str]] = []
+    real = quantize_pt2e._fold_conv_bn_qat
+
+    def spy(graph):
+        seen.append(
+            [n.name for n in graph.graph.nodes if n.op == "call_function" and "batch_norm" in str(n.target)]
+        )
+        return real(graph)
+
+    monkeypatch.setattr(quantize_pt2e, "_fold_conv_bn_qat", spy)
+    torch.manual_seed(0)
+    model = InferenceModel(nn.Sequential(_conv_pool_norm(), nn.Flatten()), (0.5,) * 3, (0.25,) * 3).eval()
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    program = quantize_int8(model, images, images[:2], progress=False)
+    assert seen == [[]]
+    with torch.no_grad():
+        reference, quantized = model(images), program.module()(images)
+    # int8 activations: a few levels of each tensor's range, not rounding; the same answer for most images
+    assert float((quantized.argmax(1) == reference.argmax(1)).float().mean()) >= 0.75

@@ -5,7 +5,7 @@ gradient clipping and an EMA of the weights, so that the test can replay the sam
 one process. A checkpoint (sharded, ``torch.distributed.checkpoint``) is written at the end of each epoch.
 
     fsdp_script.py OUT [--num-nodes N] [--devices D] [--kill-at STEP] [--resume CKPT]
-                   [--then-device-loader OUT2 CKPT2]
+                   [--then-device-loader OUT2 CKPT2] [--backend NAME]
 
 ``--kill-at``: rank 1 SIGKILLs itself when that step begins. Rank 0 writes ``OUT/result.json`` (what the
 compiler did, the bytes each rank holds) and ``OUT/final.pt`` (the full state dict after training).
@@ -147,7 +147,9 @@ def _trainer(out: Path, args: argparse.Namespace, callbacks: list[Callback], **c
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.num_nodes,
-        strategy=lightning_plugin.CompiledFSDPStrategy(compile=args.compile, tune_cpu=False),
+        strategy=lightning_plugin.CompiledFSDPStrategy(
+            backend=args.backend, compile=args.compile, tune_cpu=False
+        ),
         max_epochs=args.max_epochs,
         gradient_clip_val=CLIP,
         logger=False,
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--then-device-loader", nargs=2, metavar=("OUT", "CKPT"), default=None)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the blocks")
     args = parser.parse_args()
     args.max_epochs, args.compile = EPOCHS, "always"
     out = Path(args.out)

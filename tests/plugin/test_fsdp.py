@@ -124,6 +124,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     a, b = root / "two_nodes", root / "killed"
     port = str(_free_port())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    # aot_eager in all six ranks: the subjects are sharding, checkpoints and resumes (and a resumed run must
+    # equal the uninterrupted one bitwise, so all use one backend). FSDP2's hooks stay outside the compiled
+    # blocks (each is compiled before it is sharded), so a block's graph is the same on one rank or two, and
+    # test_strategy_names.py fits "compiled_fsdp" with Inductor.
+    backend = ["--backend", "aot_eager"]
     rendezvous = ["--master-addr", "127.0.0.1", "--master-port", port]
     nodes = [
         _start(
@@ -138,12 +143,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 "2",
                 "--devices",
                 "1",
+                *backend,
             ],
             _env(),
         )
         for n in (0, 1)
     ]
-    killed = _start([sys.executable, SCRIPT, str(b), "--kill-at", "13"], _env(MASTER_PORT=str(_free_port())))
+    killed = _start(
+        [sys.executable, SCRIPT, str(b), "--kill-at", "13", *backend], _env(MASTER_PORT=str(_free_port()))
+    )
     # 1 process -> 2: 7 steps of one process here (while A and B run), continued by C's processes.
     one, two = root / "one_process", root / "two_processes"
     one.mkdir()
@@ -153,7 +161,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     assert code != 0, "the run whose rank 1 was killed ended normally:\n" + output
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["epoch=0-step=10.ckpt"]
     # C: 2 SLURM "nodes" x 1 task, beside A (which is still running): started here as srun would start them.
-    resume = [SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt"), *grow]
+    resume = [SCRIPT, str(b), "--resume", str(b / "checkpoints" / "epoch=0-step=10.ckpt"), *grow, *backend]
     job = _slurm_job_id()
     resumed = [
         _start([sys.executable, *resume, "--num-nodes", "2", "--devices", "1"], _env(**_srun_env(job, n)))

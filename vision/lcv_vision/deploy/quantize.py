@@ -18,7 +18,7 @@ from torch import nn
 from lcv_vision.deploy.capture import capture
 from lcv_vision.deploy.errors import DeployError, import_extra
 
-__all__ = ["int8_reduce_range", "numeric_padding", "quantize_int8"]
+__all__ = ["batch_norms_as_affine", "int8_reduce_range", "numeric_padding", "quantize_int8"]
 
 #: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) below AVX-512 with VNNI: int8 convolutions there multiply u8 x s8
 #: pairs into saturating int16 sums (``vpmaddubsw``).
@@ -57,12 +57,70 @@ def quantize_int8(
     quantizer.set_global(x86.get_default_x86_inductor_quantization_config(reduce_range=int8_reduce_range()))
     model = numeric_padding(copy.deepcopy(model))
     graph = capture(model, example, strict=True).module()
-    prepared = pt2e.prepare_pt2e(graph, quantizer)
+    prepared = batch_norms_as_affine(pt2e.prepare_pt2e(graph, quantizer))
     with torch.no_grad():
         for batch in _batches(calibration, progress):
             prepared(batch)
     converted = pt2e.convert_pt2e(prepared)
     return capture(converted, example, strict=True)
+
+
+def batch_norms_as_affine(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Each inference BatchNorm left in ``graph`` as ``x * scale + shift`` (constants), in place.
+
+    Why: ``prepare_pt2e`` folds a BatchNorm that follows a conv into it, but not one after a pool (airbench's
+    conv -> pool -> BN); for any BatchNorm left, torchao's ``convert_pt2e`` exports and matches 64 QAT
+    conv-BN patterns (none can occur after post-training quantization): most of an int8 export's time (the
+    digits package: 79-121 s with that search, 28-34 s without, one thread on a loaded 2-core machine). The
+    same affine map, computed once, leaves it nothing to look for."""
+    aten = torch.ops.aten
+    changed = False
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target != aten.batch_norm.default:
+            continue
+        if len(node.args) < 8:
+            continue
+        x, weight, bias, mean, var, training, _momentum, eps = node.args[:8]
+        constants = (weight, bias, mean, var)
+        if training or mean is None or var is None or not all(map(_is_constant_or_none, constants)):
+            continue
+        value = node.meta.get("val")
+        if value is None:
+            continue
+        exact = torch.float64
+        inv_std = torch.rsqrt(_attr(graph, var).to(exact) + eps)
+        scale = inv_std if weight is None else _attr(graph, weight).to(exact) * inv_std
+        shift = -_attr(graph, mean).to(exact) * scale
+        if bias is not None:
+            shift = shift + _attr(graph, bias).to(exact)
+        shape = (1, -1, *([1] * (value.dim() - 2)))
+        with graph.graph.inserting_before(node):
+            affine = x
+            for op, constant in ((aten.mul.Tensor, scale), (aten.add.Tensor, shift)):
+                name = f"{node.name}_as_{'scale' if op is aten.mul.Tensor else 'shift'}"
+                graph.register_buffer(name, constant.to(value.dtype).reshape(shape))
+                affine = graph.graph.call_function(op, (affine, graph.graph.get_attr(name)))
+                affine.meta["val"] = value
+        node.replace_all_uses_with(affine)
+        graph.graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.graph.eliminate_dead_code()
+        graph.recompile()
+    return graph
+
+
+def _is_constant_or_none(arg: object) -> bool:
+    return arg is None or (isinstance(arg, torch.fx.Node) and arg.op == "get_attr")
+
+
+def _attr(graph: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
+    """The tensor a ``get_attr`` node names."""
+    owner: object = graph
+    for part in str(node.target).split("."):
+        owner = getattr(owner, part)
+    assert isinstance(owner, torch.Tensor), node.target
+    return owner
 
 
 def _batches(images: torch.Tensor, progress: bool) -> Iterable[torch.Tensor]:
