@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -74,6 +76,7 @@ def server(fp32_package, tmp_path_factory):
     else:
         pytest.fail("the server did not answer /health in 180 s")
     yield url, folder
+    _interrupt_children_first(process.pid)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in the user's terminal sends
     try:
         process.wait(timeout=120)  # LitServe's own waits are bounded (SHUTDOWN_GRACE_S, then kills)
@@ -83,6 +86,36 @@ def server(fp32_package, tmp_path_factory):
         log.close()
     said = (folder / "server.log").read_text()
     assert "Traceback" not in said, said[-3000:]  # a stop is not an error: no worker prints a trace
+
+
+def _group_children(group: int) -> dict[int, str]:
+    """The other processes of process group ``group``, each with its state letter (``Z``: exited, unreaped)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == group:
+            continue
+        try:
+            if os.getpgid(int(entry)) == group:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                found[int(entry)] = stat.rsplit(")", 1)[1].split()[0]
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    return found
+
+
+def _interrupt_children_first(group: int) -> None:
+    """Ctrl-C reaches every process of the group at once, and a loaded machine may run a child's own handling
+    before the server process stops it. Here that order is forced: the children get SIGINT first, and the server
+    process only once one of them (uvicorn's) has exited, so its way of exiting shows in the log every time."""
+    children = _group_children(group)
+    for pid in children:
+        os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = _group_children(group)
+        if any(states.get(pid, "Z") == "Z" for pid in children):
+            return
+        time.sleep(0.05)
 
 
 def post(url: str, body: bytes, content_type: str = "application/octet-stream") -> tuple[int, dict]:
@@ -194,3 +227,41 @@ def test_bad_requests_get_a_4xx_line_and_the_server_keeps_serving(
     assert status == 200
     expected = load_package(fp32_package).predict([decode_image(good)])[0].as_dict()
     assert_same(answer, expected, probability_tolerance)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_stop_lets_the_worker_monitor_finish_before_the_manager_goes(fp32_package):
+    """LitServe's monitor polls an event held by its manager; the stop must not close the manager under it.
+
+    LitServe's own stop shuts the manager down with the event unset, so a monitor that wakes afterwards
+    logs "Monitoring worker crashed" (a BrokenPipe trace: seen once in a CI run beside a CPU hog). Here the
+    monitor polls every 10 ms, so on that code it would wake after the stop every time."""
+    pytest.importorskip("litserve")
+    from lcv_vision.deploy.serve import build_server
+    from lcv_vision.deploy.serve_api import WORKER_MONITOR_THREAD
+
+    server = build_server(fp32_package)
+    server.monitor_internal = 0.01
+    server.inference_workers = []  # no worker process: the monitor has nothing to watch but the event
+    manager = server._init_manager(1)
+    records = _Records()
+    litserve_logger = logging.getLogger("litserve")
+    litserve_logger.addHandler(records)
+    try:
+        server._start_worker_monitoring(manager, {})
+        (monitor,) = [t for t in threading.enumerate() if t.name == WORKER_MONITOR_THREAD]
+        server._perform_graceful_shutdown(manager, {}, "keyboard_interrupt")
+        monitor.join(timeout=30)
+        assert not monitor.is_alive()
+    finally:
+        litserve_logger.removeHandler(records)
+        manager.shutdown()
+    assert not [m for m in records.messages if "crashed" in m], records.messages

@@ -137,7 +137,7 @@ def build_server(
     workers: int = 1,
 ) -> Any:
     """A ``litserve.LitServer`` for ``package`` (checked before any worker starts)."""
-    ls = import_extra("litserve", "serve", "lcv serve")
+    import_extra("litserve", "serve", "lcv serve")
     import_extra("multipart", "serve", "lcv serve (multipart uploads)")
     if max_batch_size < 1 or batch_timeout < 0 or workers < 1 or top_k < 1:
         raise DeployError("--max-batch-size, --workers and --top-k must be >= 1, --batch-timeout >= 0")
@@ -146,10 +146,10 @@ def build_server(
     assert metadata is not None  # load_package just read the same archive
     info = PackageInfo.from_metadata(metadata)
     max_bytes = max_image_bytes if max_image_bytes is not None else DEFAULT_MAX_BYTES
-    from lcv_vision.deploy.serve_api import ClassifierAPI  # imports litserve, checked above
+    from lcv_vision.deploy.serve_api import ClassifierAPI, ClassifierServer  # import litserve, checked above
 
     api = ClassifierAPI(str(package), info, top_k, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
-    server = ls.LitServer(
+    server = ClassifierServer(
         api,
         accelerator="cuda" if info.device == "cuda" else "cpu",
         devices=1,

@@ -1,4 +1,4 @@
-"""The ``LitAPI`` of ``lcv serve``: stacks checked uint8 pixels into batches and runs the package.
+"""The ``LitAPI`` and ``LitServer`` of ``lcv serve``: batches of checked uint8 pixels through the package.
 
 A module of its own, imported only by :func:`lcv_vision.deploy.serve.build_server`: it imports litserve (an
 optional extra) at module level, and LitServe's workers are spawned processes that must find the class by
@@ -6,6 +6,7 @@ its module path."""
 
 import base64
 import signal
+import threading
 from typing import Any
 
 import litserve as ls
@@ -14,7 +15,9 @@ from fastapi import Request
 
 from lcv_vision.deploy.package import DeployedModel, PackageInfo, load_package
 
-__all__ = ["ClassifierAPI"]
+__all__ = ["ClassifierAPI", "ClassifierServer", "WORKER_MONITOR_THREAD"]
+
+WORKER_MONITOR_THREAD = "litserve-monitoring"  # the name LitServe 0.2 gives its worker-watching thread
 
 
 class ClassifierAPI(ls.LitAPI):
@@ -53,3 +56,40 @@ class ClassifierAPI(ls.LitAPI):
         assert self.model is not None
         row = logits if logits.ndim == 2 else logits.unsqueeze(0)
         return self.model.top_k(row, self.top_k_count)[0].as_dict()
+
+
+class ClassifierServer(ls.LitServer):
+    """A ``LitServer`` whose Ctrl-C stop prints no trace, however the processes' stops interleave.
+
+    LitServe's monitor thread checks a shutdown event held by its ``multiprocessing`` manager every two
+    seconds. On Ctrl-C LitServe shuts the manager down with that event unset, so a monitor that wakes before
+    the process exits calls into a closed pipe and logs "Monitoring worker crashed" with a ``BrokenPipeError``
+    trace (seen on a loaded machine). Here the monitor is let finish first. The HTTP process is started so
+    that Ctrl-C does not make it print a ``KeyboardInterrupt`` trace if it stops before it is terminated.
+    """
+
+    def _start_server(self, *args: Any, **kwargs: Any) -> Any:
+        # Ctrl-C reaches the whole process group, and this process stops the HTTP processes itself (SIGTERM,
+        # then SIGKILL). Forked with SIGINT ignored, uvicorn still shuts down on Ctrl-C, but asyncio installs
+        # no Ctrl-C handler, and the SIGINT uvicorn re-raises once it has shut down is ignored, not a trace.
+        # (These overrides use LitServe 0.2 internals, hence the <0.3 bound in pyproject.toml.)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return super()._start_server(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _perform_graceful_shutdown(
+        self, manager: Any, uvicorn_workers: Any, shutdown_reason: str = "normal"
+    ) -> None:
+        # The monitor reads ``self._shutdown_event`` afresh each round, so a local event that is already set
+        # ends it without a call to the manager. (Setting the manager's event from here can deadlock: Ctrl-C
+        # interrupted this thread inside that event's ``wait()``, and the manager still serves that call on
+        # this thread's connection.)
+        stopped = threading.Event()
+        stopped.set()
+        self._shutdown_event = stopped
+        for thread in threading.enumerate():
+            if thread.name == WORKER_MONITOR_THREAD and thread is not threading.current_thread():
+                thread.join(timeout=self.monitor_internal + 5)  # it sleeps monitor_internal s between rounds
+        super()._perform_graceful_shutdown(manager, uvicorn_workers, shutdown_reason)
