@@ -489,6 +489,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.compile_backend:
         import lcv_vision.data.compiled
+        from lightning_plugin.config import CompileConfig
+
+        try:  # an unknown name fails here in one line, not at the first compiled batch
+            CompileConfig(backend=args.compile_backend)
+        except ValueError as err:
+            ap.error(str(err))
 
         lcv_vision.data.compiled.BACKEND = args.compile_backend
     torch.set_num_threads(2)

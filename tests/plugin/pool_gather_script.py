@@ -1,10 +1,10 @@
-"""The max-pool cases of test_which_pools_take_the_gather, in a fresh process with its own Inductor cache.
+"""The max-pool cases of test_which_pools_take_the_gather, in a fresh process, each graph lowered afresh.
 
 ``python pool_gather_script.py tiles:channels_last tiles:nchw ...`` prints one JSON line per case: whether the
-generated backward holds a scatter, and the largest gradient difference from eager with its bound. A fresh
-process, because in a long pytest worker some earlier test's state made torch's scatter decomposition step
-aside (CI runs saw it for different cases, not reproducible alone); one process for all cases, because each
-start costs seconds of imports."""
+generated backward holds a scatter, and the largest gradient difference from eager with its bound. No FX or
+autograd cache hits. A fresh process, because in a long pytest worker some earlier test's state made torch's
+scatter decomposition step aside (CI runs saw it for different cases, not reproducible alone); one process for
+all cases, because each start costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def run_case(pool: str, channels_last: bool) -> dict:
 
 if __name__ == "__main__":
     cpu_inductor.CPU_TRAINING_OPTIONS["cpp_wrapper"] = False  # extern calls readable in the code
+    # Each graph lowered here, not loaded from the shared cache folder (whose CPU probes and precompiled
+    # header, built by earlier tests, this process reuses: ~7 s of C++ builds for a folder of its own).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     for case in sys.argv[1:]:
         pool, layout = case.split(":")
         print(json.dumps({"case": case, **run_case(pool, layout == "channels_last")}), flush=True)

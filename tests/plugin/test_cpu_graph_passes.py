@@ -127,16 +127,13 @@ POOL_CASES = {
 
 
 @pytest.fixture(scope="module")
-def pool_reports(tmp_path_factory) -> dict[str, dict]:
-    """Every case in one fresh process with an empty Inductor cache: in full CI runs, state left by some
+def pool_reports() -> dict[str, dict]:
+    """Every case in one fresh process, its graphs lowered afresh: in full CI runs, state left by some
     earlier test in the worker made torch's scatter decomposition step aside for one case or another (never
     alone)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_gather_script.py")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("pool_inductor"))}
     cases = [f"{pool}:{layout}" for pool, layout, _ in POOL_CASES.values()]
-    done = subprocess.run(
-        [sys.executable, script, *cases], capture_output=True, text=True, env=env, timeout=600
-    )
+    done = subprocess.run([sys.executable, script, *cases], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {report.pop("case"): report for report in reports}
