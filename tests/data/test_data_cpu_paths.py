@@ -334,3 +334,47 @@ def test_a_per_image_resize_inside_rows_on_the_pool_does_not_wait_on_its_own_poo
     runner.join(timeout=120)  # a bound for a deadlock, not a speed: the work takes milliseconds
     assert not runner.is_alive(), "the pool's workers wait on each other"
     torch.testing.assert_close(out, expected, atol=0, rtol=0)  # per image: the same calls either way
+
+
+@pytest.fixture
+def two_intra_op_threads():
+    """Two torch threads, so per-image work splits across the pool's workers (the suite runs with one)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_pool_workers_take_the_callers_grad_and_inference_modes(two_intra_op_threads):
+    """Threads do not inherit autograd's thread-local modes; the workers must run in the caller's."""
+    from lcv_vision.data.functional.pool import run_rows
+
+    seen: list[tuple[bool, bool]] = []
+
+    def record(rows: range) -> None:
+        seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+    for inference, grad in [(True, False), (False, False), (False, True)]:
+        seen.clear()
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            run_rows(record, 4)
+        assert seen == [(inference, grad)] * 2  # two workers, one range each
+
+
+def test_a_ragged_batch_is_placed_under_lightnings_inference_mode(two_intra_op_threads):
+    """Lightning validates and predicts in inference mode; the canvas is then an inference tensor, which
+    workers outside that mode may not write (this failed before the workers took the caller's mode)."""
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 5 + i, 7 - i), dtype=torch.uint8, generator=g) for i in range(5)]
+    expected = RaggedBatch.from_images(images)
+    with torch.inference_mode():
+        placed = RaggedBatch.from_images(images)
+        resized = resize_boxes(
+            placed.canvas, *(torch.tensor(v) for v in ([0] * 5, [1] * 5, [4] * 5, [3] * 5)), (6, 5)
+        )
+    assert torch.equal(placed.canvas, expected.canvas)
+    assert torch.equal(placed.heights, expected.heights) and torch.equal(placed.widths, expected.widths)
+    want = resize_boxes(
+        expected.canvas, *(torch.tensor(v) for v in ([0] * 5, [1] * 5, [4] * 5, [3] * 5)), (6, 5)
+    )
+    assert torch.equal(resized, want)

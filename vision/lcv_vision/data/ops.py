@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lcv_vision.data.functional.pool import cpu_pool, split_threads
+from lcv_vision.data.functional.pool import run_rows
 
 Params = dict[str, Tensor]
 #: Params key of a horizontal flip folded into the op before it.
@@ -77,9 +77,8 @@ class RaggedBatch:
                 canvas[i, :, h:].zero_()
                 canvas[i, :, :h, w:].zero_()
 
-        threads = split_threads(len(images)) if device.type == "cpu" else 1
-        if threads > 1:  # single-threaded workers: see functional.pool
-            list(cpu_pool(threads).map(place, [range(k, len(images), threads) for k in range(threads)]))
+        if device.type == "cpu":
+            run_rows(place, len(images))  # single-threaded workers: see functional.pool
         else:
             place(range(len(images)))
         return cls(canvas, heights, widths)

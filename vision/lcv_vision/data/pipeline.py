@@ -33,7 +33,7 @@ from torch import Tensor
 from lcv_vision.data.buffers import OutputBuffers
 from lcv_vision.data.color import Normalize
 from lcv_vision.data.compiled import CompiledOps, ops_runner
-from lcv_vision.data.functional.pool import cpu_pool, split_threads
+from lcv_vision.data.functional.pool import run_parts
 from lcv_vision.data.ops import BatchOp, Params, RaggedBatch, check_image_batch
 
 __all__ = ["BatchOp", "Params", "Pipeline", "RaggedBatch", "check_image_batch"]
@@ -333,24 +333,7 @@ class Pipeline:
         the worker processes of a DataLoader.  ``first_alone`` runs the first slice before the others start
         (it compiles the graph: once, on one worker).
         """
-        slices = [slice(s, s + chunk) for s in range(0, n, chunk)]
-        threads = split_threads(len(slices))
-        if threads <= 1:
-            for rows in slices:
-                run_rows(rows)
-            return
-        # Worker threads do not inherit the caller's inference/grad mode: without this, Lightning's
-        # evaluation (inference mode) fails copying into `out`, an inference tensor.
-        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-
-        def run_in_mode(rows: slice) -> None:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                run_rows(rows)
-
-        pool = cpu_pool(threads)
-        if first_alone:
-            pool.submit(run_in_mode, slices.pop(0)).result()
-        list(pool.map(run_in_mode, slices))
+        run_parts(run_rows, [slice(s, s + chunk) for s in range(0, n, chunk)], first_alone)
 
     def __repr__(self) -> str:
         inner = "".join(f"\n  {op!r}," for op in self.ops)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lcv_vision.data.functional._triton import use_resample_kernel
 from lcv_vision.data.functional.opencv_resize import Box, opencv, resize_rows
-from lcv_vision.data.functional.pool import cpu_pool, split_threads
+from lcv_vision.data.functional.pool import run_rows
 
 BORDER_MODES = ("constant", "reflect", "symmetric", "edge")
 
@@ -264,12 +264,7 @@ def resize_boxes(
         resize = functools.partial(
             _aten_resize_rows, images.contiguous(memory_format=torch.channels_last), boxes, mirror, out
         )
-    # Images split across single-threaded workers (see functional.pool): one small call per image.
-    threads = split_threads(n)
-    if threads > 1:
-        list(cpu_pool(threads).map(resize, [range(k, n, threads) for k in range(threads)]))
-    else:
-        resize(range(n))
+    run_rows(resize, n)  # one small call per image, on single-threaded workers (see functional.pool)
     return out
 
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
+
+Part = TypeVar("Part")
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _in_worker = threading.local()
@@ -43,3 +47,33 @@ def cpu_pool(threads: int) -> ThreadPoolExecutor:
     if key not in _POOLS:
         _POOLS[key] = ThreadPoolExecutor(threads, "vision-data", initializer=_start_worker)
     return _POOLS[key]
+
+
+def run_parts(fn: Callable[[Part], None], parts: Sequence[Part], first_alone: bool = False) -> None:
+    """Run ``fn`` on every part: on the shared single-threaded workers, or in order on this thread where
+    :func:`split_threads` says so (one part, one intra-op thread, or already on a worker). The workers take
+    this thread's grad and inference modes, which threads do not inherit (Lightning evaluates in inference
+    mode, where the output is an inference tensor that only inference mode may write). ``first_alone`` runs
+    the first part before the others start (it compiles a graph: once, on one worker)."""
+    threads = split_threads(len(parts))
+    if threads <= 1:
+        for part in parts:
+            fn(part)
+        return
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def in_callers_mode(part: Part) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            fn(part)
+
+    pool, rest = cpu_pool(threads), list(parts)
+    if first_alone:
+        pool.submit(in_callers_mode, rest.pop(0)).result()
+    list(pool.map(in_callers_mode, rest))
+
+
+def run_rows(fn: Callable[[range], None], n: int) -> None:
+    """Run ``fn`` on rows ``0..n-1``, dealt round-robin into one range per worker (see :func:`run_parts`):
+    for per-image calls, where neighbouring images cost alike."""
+    threads = split_threads(n)
+    run_parts(fn, [range(k, n, threads) for k in range(threads)])
