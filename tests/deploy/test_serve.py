@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -75,17 +76,36 @@ def server(fp32_package, tmp_path_factory):
             time.sleep(0.5)
     else:
         pytest.fail("the server did not answer /health in 180 s")
-    yield url, folder
+    yield url, folder, process.pid
     _interrupt_children_first(process.pid)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in the user's terminal sends
     try:
         process.wait(timeout=120)  # LitServe's own waits are bounded (SHUTDOWN_GRACE_S, then kills)
+    except subprocess.TimeoutExpired:
+        _dump_stacks_and_kill(process.pid)
+        pytest.fail("lcv serve did not stop on Ctrl-C; its log and stacks:\n" + _log_tail(folder, log))
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
     said = (folder / "server.log").read_text()
     assert "Traceback" not in said, said[-3000:]  # a stop is not an error: no worker prints a trace
+
+
+def _dump_stacks_and_kill(group: int) -> None:
+    """Every thread's stack of each process of the group into the log (``serve`` registers SIGUSR1 with
+    faulthandler), then SIGKILL: a stop that hangs in CI shows where it waits."""
+    for pid in [group, *_group_children(group)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)  # faulthandler writes from the signal handler; give each process a moment
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def _log_tail(folder: Path, log: io.TextIOBase) -> str:
+    log.flush()
+    return (folder / "server.log").read_text()[-12000:]
 
 
 def _group_children(group: int) -> dict[int, str]:
@@ -172,7 +192,7 @@ def assert_same(answer: dict, expected: dict, tolerance: float) -> None:
 
 
 def test_answers_equal_offline_predictions(server, fp32_package, digits_test_set, probability_tolerance):
-    url, folder = server
+    url, folder, _ = server
     model = load_package(fp32_package)
     digits = [image.permute(1, 2, 0).numpy() for image in digits_test_set[0][:12]]
     bodies = [encoded(d, "PNG") for d in digits[:4]] + [encoded(d, "JPEG", quality=95) for d in digits[4:8]]
@@ -216,7 +236,7 @@ def _bad_requests(digit: np.ndarray) -> list[tuple[str, bytes, int, str]]:
 def test_bad_requests_get_a_4xx_line_and_the_server_keeps_serving(
     server, fp32_package, digits_test_set, probability_tolerance
 ):
-    url, _ = server
+    url, _, _ = server
     digit = digits_test_set[0][0].permute(1, 2, 0).numpy()
     for name, body, status, words in _bad_requests(digit):
         got, answer = post(url, body)
@@ -227,6 +247,27 @@ def test_bad_requests_get_a_4xx_line_and_the_server_keeps_serving(
     assert status == 200
     expected = load_package(fp32_package).predict([decode_image(good)])[0].as_dict()
     assert_same(answer, expected, probability_tolerance)
+
+
+def test_usr1_prints_each_threads_stack_and_the_server_keeps_serving(server, digits_test_set):
+    """``kill -USR1`` (docs/deploy.md) on the server process and its inference worker: each writes its threads'
+    stacks to the log, and neither stops: a request still gets its answer."""
+    url, folder, pid = server
+    workers = [p for p in _group_children(pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) == 1, _group_children(pid)
+    log = folder / "server.log"
+    start = len(log.read_text())
+    for target in (pid, *workers):
+        os.kill(target, signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while log.read_text()[start:].count("Current thread") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dumped = log.read_text()[start:]
+    assert dumped.count("Current thread") == 2, dumped[-3000:]
+    assert "litserve" in dumped and "spawn_main" in dumped  # the server's threads, then the worker's
+    digit = digits_test_set[0][0].permute(1, 2, 0).numpy()
+    assert post(url, encoded(digit, "PNG"))[0] == 200
+    assert all(_group_children(pid).get(p, "Z") != "Z" for p in workers)
 
 
 class _Records(logging.Handler):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import faulthandler
 import json
+import signal
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -163,7 +165,11 @@ def build_server(
 
 
 def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
-    """Build the server and run it until interrupted; binds ``host`` only (127.0.0.1 unless told)."""
+    """Build the server and run it until interrupted; binds ``host`` only (127.0.0.1 unless told).
+
+    ``kill -USR1 <pid>`` makes the server process (and each inference worker) print every thread's stack to
+    its log, without stopping it: how to see where a server that does not answer, or does not stop, waits."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = build_server(package, **options)
     try:
         server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")

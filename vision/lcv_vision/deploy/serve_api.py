@@ -5,6 +5,7 @@ optional extra) at module level, and LitServe's workers are spawned processes th
 its module path."""
 
 import base64
+import faulthandler
 import signal
 import threading
 from typing import Any
@@ -34,6 +35,7 @@ class ClassifierAPI(ls.LitAPI):
         # Ctrl-C reaches the whole process group: the server process stops this worker itself (SIGTERM, then
         # SIGKILL), so the worker ignores SIGINT rather than print a KeyboardInterrupt trace from its queue wait.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: stacks to the log (serve.py)
         self.model = load_package(self.package)
 
     # LitServe picks how to read a body by this annotation (hence no postponed annotations in this module):
