@@ -47,9 +47,12 @@ def server(fp32_package, tmp_path_factory):
     pytest.importorskip("litserve")
     folder = tmp_path_factory.mktemp("serve")
     port = _free_port()
+    scratch = folder / "tmp"  # the server's temp folder: what a stop leaves there is checked
+    scratch.mkdir()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(str(_REPOSITORY / p) for p in ("", "kernels", "vision")),
+        "TMPDIR": str(scratch),
     }
     command = [sys.executable, "-m", "lcv_vision.cli", "serve", str(fp32_package), "--port", str(port)]
     command += [
@@ -90,6 +93,9 @@ def server(fp32_package, tmp_path_factory):
         log.close()
     said = (folder / "server.log").read_text()
     assert "Traceback" not in said, said[-3000:]  # a stop is not an error: no worker prints a trace
+    # the folder AOTInductor unpacked the package into (the worker is stopped with SIGTERM) is gone
+    left = [p.name for p in scratch.rglob("*") if p.name.startswith(("aotinductor_", "lcv-serve-worker-"))]
+    assert not left, left
 
 
 def _dump_stacks_and_kill(group: int) -> None:

@@ -6,8 +6,15 @@ its module path."""
 
 import base64
 import faulthandler
+import os
+import shutil
 import signal
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.util import Finalize
+from types import FrameType
 from typing import Any
 
 import litserve as ls
@@ -21,6 +28,20 @@ __all__ = ["ClassifierAPI", "ClassifierServer", "WORKER_MONITOR_THREAD"]
 WORKER_MONITOR_THREAD = "litserve-monitoring"  # the name LitServe 0.2 gives its worker-watching thread
 
 
+@contextmanager
+def _temp_folder(folder: str) -> Iterator[None]:
+    """``TMPDIR`` is ``folder`` inside the block (read by the C++ loader that unpacks a package)."""
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = previous
+
+
 class ClassifierAPI(ls.LitAPI):
     """Requests arrive as ``{"pixels": base64 of uint8 (3, H, W)}``, made by ``ImageIntake``."""
 
@@ -30,13 +51,26 @@ class ClassifierAPI(ls.LitAPI):
         self.shape = (3, *info.input_size)
         self.top_k_count = top_k
         self.model: DeployedModel | None = None
+        self.scratch = ""  # the worker's own temp folder, made by setup
 
     def setup(self, device: str) -> None:
         # Ctrl-C reaches the whole process group: the server process stops this worker itself (SIGTERM, then
         # SIGKILL), so the worker ignores SIGINT rather than print a KeyboardInterrupt trace from its queue wait.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: stacks to the log (serve.py)
-        self.model = load_package(self.package)
+        # AOTInductor unpacks the package (2-5 MB) into a folder of the temp folder and removes it only when the
+        # model is destroyed; LitServe stops a worker with SIGTERM, whose default action destroys nothing. So the
+        # package is unpacked into a folder of this worker's own, which the SIGTERM handler removes.
+        self.scratch = tempfile.mkdtemp(prefix="lcv-serve-worker-")
+        with _temp_folder(self.scratch):
+            self.model = load_package(self.package)
+        signal.signal(signal.SIGTERM, self._stop)
+        Finalize(None, shutil.rmtree, args=(self.scratch,), kwargs={"ignore_errors": True}, exitpriority=0)
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # end as SIGTERM's default would have
 
     # LitServe picks how to read a body by this annotation (hence no postponed annotations in this module):
     # ``Request`` = the JSON body, which arrives here as a dict.
