@@ -366,15 +366,11 @@ def test_a_ragged_batch_is_placed_under_lightnings_inference_mode(two_intra_op_t
     workers outside that mode may not write (this failed before the workers took the caller's mode)."""
     g = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, 5 + i, 7 - i), dtype=torch.uint8, generator=g) for i in range(5)]
+    boxes = [torch.tensor(v) for v in ([0] * 5, [1] * 5, [4] * 5, [3] * 5)]  # top, left, height, width
     expected = RaggedBatch.from_images(images)
     with torch.inference_mode():
         placed = RaggedBatch.from_images(images)
-        resized = resize_boxes(
-            placed.canvas, *(torch.tensor(v) for v in ([0] * 5, [1] * 5, [4] * 5, [3] * 5)), (6, 5)
-        )
+        resized = resize_boxes(placed.canvas, *boxes, (6, 5))
     assert torch.equal(placed.canvas, expected.canvas)
     assert torch.equal(placed.heights, expected.heights) and torch.equal(placed.widths, expected.widths)
-    want = resize_boxes(
-        expected.canvas, *(torch.tensor(v) for v in ([0] * 5, [1] * 5, [4] * 5, [3] * 5)), (6, 5)
-    )
-    assert torch.equal(resized, want)
+    assert torch.equal(resized, resize_boxes(expected.canvas, *boxes, (6, 5)))
