@@ -312,3 +312,12 @@ def test_a_stop_lets_the_worker_monitor_finish_before_the_manager_goes(fp32_pack
         litserve_logger.removeHandler(records)
         manager.shutdown()
     assert not [m for m in records.messages if "crashed" in m], records.messages
+
+
+def test_stacks_on_usr1_is_skipped_where_stderr_has_no_file_descriptor(monkeypatch):
+    """``serve()`` called from a notebook, whose stderr is no file: the stack printing is skipped, not a crash."""
+    pytest.importorskip("litserve")
+    from lcv_vision.deploy.serve_api import print_stacks_on_usr1
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    print_stacks_on_usr1()

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import faulthandler
 import json
-import signal
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -169,8 +167,10 @@ def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **opti
 
     ``kill -USR1 <pid>`` makes the server process (and each inference worker) print every thread's stack to
     its log, without stopping it: how to see where a server that does not answer, or does not stop, waits."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = build_server(package, **options)
+    from lcv_vision.deploy.serve_api import print_stacks_on_usr1  # build_server checked the litserve extra
+
+    print_stacks_on_usr1()
     try:
         server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
     except KeyboardInterrupt:  # Ctrl-C / SIGINT is how a server is stopped, not an error

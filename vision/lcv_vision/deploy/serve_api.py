@@ -23,9 +23,18 @@ from fastapi import Request
 
 from lcv_vision.deploy.package import DeployedModel, PackageInfo, load_package
 
-__all__ = ["ClassifierAPI", "ClassifierServer", "WORKER_MONITOR_THREAD"]
+__all__ = ["ClassifierAPI", "ClassifierServer", "WORKER_MONITOR_THREAD", "print_stacks_on_usr1"]
 
 WORKER_MONITOR_THREAD = "litserve-monitoring"  # the name LitServe 0.2 gives its worker-watching thread
+
+
+def print_stacks_on_usr1() -> None:
+    """``kill -USR1 <pid>`` prints each thread's stack of this process to stderr and changes nothing else (where
+    stderr is a file: a notebook's is not, and there this does nothing)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no SIGUSR1 (Windows), or no file descriptor behind stderr
+        pass
 
 
 @contextmanager
@@ -57,7 +66,7 @@ class ClassifierAPI(ls.LitAPI):
         # Ctrl-C reaches the whole process group: the server process stops this worker itself (SIGTERM, then
         # SIGKILL), so the worker ignores SIGINT rather than print a KeyboardInterrupt trace from its queue wait.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: stacks to the log (serve.py)
+        print_stacks_on_usr1()
         # AOTInductor unpacks the package (2-5 MB) into a folder of the temp folder and removes it only when the
         # model is destroyed; LitServe stops a worker with SIGTERM, whose default action destroys nothing. So the
         # package is unpacked into a folder of this worker's own, which the SIGTERM handler removes.
