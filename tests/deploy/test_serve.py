@@ -86,7 +86,7 @@ def server(fp32_package, tmp_path_factory):
         process.wait(timeout=120)  # LitServe's own waits are bounded (SHUTDOWN_GRACE_S, then kills)
     except subprocess.TimeoutExpired:
         _dump_stacks_and_kill(process.pid)
-        pytest.fail("lcv serve did not stop on Ctrl-C; its log and stacks:\n" + _log_tail(folder, log))
+        pytest.fail("lcv serve did not stop on Ctrl-C; its log and stacks:\n" + _log_tail(folder))
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -109,8 +109,7 @@ def _dump_stacks_and_kill(group: int) -> None:
         os.killpg(group, signal.SIGKILL)
 
 
-def _log_tail(folder: Path, log: io.TextIOBase) -> str:
-    log.flush()
+def _log_tail(folder: Path) -> str:
     return (folder / "server.log").read_text()[-12000:]
 
 
@@ -262,15 +261,20 @@ def test_usr1_prints_each_threads_stack_and_the_server_keeps_serving(server, dig
     workers = [p for p in _group_children(pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 1, _group_children(pid)
     log = folder / "server.log"
-    start = len(log.read_text())
-    for target in (pid, *workers):
+    # One process at a time: faulthandler writes a dump piece by piece, so two at once interleave their
+    # words in the shared log. The main thread is dumped last; its bottom frame says the dump is complete.
+    for target, bottom_frame, a_frame in (
+        (pid, "in _run_module_as_main", "litserve/server.py"),
+        (workers[0], "in spawn_main", "in inference_worker"),
+    ):
+        start = len(log.read_text())
         os.kill(target, signal.SIGUSR1)
-    deadline = time.monotonic() + 60
-    while log.read_text()[start:].count("Current thread") < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    dumped = log.read_text()[start:]
-    assert dumped.count("Current thread") == 2, dumped[-3000:]
-    assert "litserve" in dumped and "spawn_main" in dumped  # the server's threads, then the worker's
+        deadline = time.monotonic() + 60
+        while bottom_frame not in log.read_text()[start:] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        dumped = log.read_text()[start:]
+        assert bottom_frame in dumped and a_frame in dumped, dumped[-3000:]
+        assert dumped.count("Current thread") == 1, dumped[-3000:]
     digit = digits_test_set[0][0].permute(1, 2, 0).numpy()
     assert post(url, encoded(digit, "PNG"))[0] == 200
     assert all(_group_children(pid).get(p, "Z") != "Z" for p in workers)
