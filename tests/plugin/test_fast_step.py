@@ -268,3 +268,57 @@ def test_a_profiler_keeps_lightnings_hook_calls(profiler, tmp_path):
     trainer.fit(Logging(), _data(8, 1))
     assert seen.seen is (profiler is None)  # a profiler's records stay complete
     assert not trainer.strategy.lean_hooks and "_lcv_lean_hook_calls" not in trainer.__dict__
+
+
+class OwnClipping(Logging):
+    """Clips in its own ``configure_gradient_clipping``: the lean hook calls must still call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clip_calls = 0
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_calls += 1
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+
+
+def _weights_after(fast: bool, module: Logging, tmp_path, **trainer_kwargs) -> torch.Tensor:
+    torch.manual_seed(0)
+    module.net.reset_parameters()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        strategy=_compiled(fast),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, _data(16, 1))
+    return module.net.weight.detach().clone()
+
+
+@pytest.mark.parametrize(
+    ("make", "trainer_kwargs"),
+    [
+        (Logging, {}),
+        (Logging, {"gradient_clip_val": 0.01}),
+        (Logging, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+        (OwnClipping, {}),
+    ],
+    ids=["no-clipping", "trainer-norm", "trainer-value", "module-hook"],
+)
+def test_gradient_clipping_is_lightnings_on_the_lean_hook_calls(make, trainer_kwargs, tmp_path):
+    """The lean hook calls skip ``configure_gradient_clipping`` only where it would clip nothing: a Trainer's
+    clip value and a module's own hook give the weights of Lightning's own hook calls (``fast_step=False``)."""
+    fast_module, lightning_module = make(), make()
+    fast = _weights_after(True, fast_module, tmp_path, **trainer_kwargs)
+    lightning_path = _weights_after(False, lightning_module, tmp_path, **trainer_kwargs)
+    torch.testing.assert_close(fast, lightning_path, rtol=0, atol=0)
+    unclipped = _weights_after(False, Logging(), tmp_path)
+    clipped = bool(trainer_kwargs) or make is OwnClipping
+    assert torch.equal(fast, unclipped) is not clipped  # the clipping cases did change the weights
+    if make is OwnClipping:
+        assert fast_module.clip_calls == lightning_module.clip_calls == 4
