@@ -20,7 +20,11 @@ layout change alone), 1 thread, same process.
 Inductor's C++ wrapper (``cpp_wrapper``): the generated code that calls the kernels and allocates the buffers
 is C++ instead of Python, which saves a few ms per step of interpreter work. torchvision ResNet-18 (64 px,
 batch 32, fused SGD step, same process, 2-core x86_64): 1.104x -> 1.133x eager; mobilenet_v3_small 1.16x ->
-1.20x; a cold compile takes about 1.7 s longer (one more C++ build per graph).
+1.20x; a cold compile takes about 1.7 s longer (one more C++ build per graph). A call into it costs more than
+a call of the Python wrapper, so a graph of a few ops loses: fwd+bwd of an MLP of 1-5 ops (batch 4, 1 thread)
+took 10-110 us longer with it, one of ~17 ops broke even, one of ~49 ops was 46-375 us faster, over three runs.
+So a graph with fewer than :data:`CPP_WRAPPER_MIN_OPS` ops keeps the Python wrapper (a small head, a piece
+between graph breaks, ``benchmarks/step_overhead.py``'s ``Linear(8, 2)``: 40-100 us a step less).
 
 Graph changes (:mod:`lightning_plugin.cpu.graph_passes`), passed by :class:`CPUTrainingInductor`: for
 non-overlapping max-pools in channels_last the forward values realised once and a gather in place of torch
@@ -45,6 +49,17 @@ from lightning_plugin.cpu.graph_passes import graph_pass_options, training_decom
 
 #: Inductor config patches for CPU training (see the module docstring for the measurements).
 CPU_TRAINING_OPTIONS: dict[str, Any] = {"layout_optimization": False, "cpp_wrapper": True}
+
+#: Graphs with fewer operations than this keep Inductor's Python wrapper (module docstring).
+CPP_WRAPPER_MIN_OPS = 24
+
+
+def graph_op_count(graph_module: Any) -> int:
+    """Operations in a Dynamo graph: its function, method and module calls (inputs, outputs, attributes not)."""
+    graph = getattr(graph_module, "graph", None)
+    if graph is None:
+        return CPP_WRAPPER_MIN_OPS  # not an FX graph: no reason to change the setting
+    return sum(node.op in ("call_function", "call_method", "call_module") for node in graph.nodes)
 
 
 class _NoCUDARuntimeNotice(logging.Filter):
@@ -86,7 +101,8 @@ def training_options(
 class CPUTrainingInductor(torch._TorchCompileInductorWrapper):
     """``torch.compile``'s Inductor backend (the same ``mode``/``options`` handling and equality) that also
     gives Inductor :mod:`lightning_plugin.cpu.graph_passes`: its decompositions and its joint-graph pass
-    (neither where the user installed a joint-graph pass of their own in Inductor's config)."""
+    (neither where the user installed a joint-graph pass of their own in Inductor's config), and writes the
+    C++ wrapper only for graphs of :data:`CPP_WRAPPER_MIN_OPS` ops or more."""
 
     def __call__(self, model_: Any, inputs_: Any, *, config_patches: dict[str, Any] | None = None) -> Any:
         from torch._inductor import config
@@ -95,6 +111,9 @@ class CPUTrainingInductor(torch._TorchCompileInductorWrapper):
         if config.joint_custom_pre_pass is not None:  # a pass of the user's own: their Inductor, unchanged
             return super().__call__(model_, inputs_, config_patches=config_patches)
         patches = {**self.config, **graph_pass_options(), **(config_patches or {})}
+        asked = "cpp_wrapper" in (config_patches or {})  # a caller's own setting stands
+        if patches.get("cpp_wrapper") and not asked and graph_op_count(model_) < CPP_WRAPPER_MIN_OPS:
+            patches["cpp_wrapper"] = False
         return compile_fx(model_, inputs_, config_patches=patches, decompositions=training_decompositions())
 
     def __eq__(self, other: object) -> bool:

@@ -152,11 +152,51 @@ def _fit(strategy) -> None:
     trainer.fit(_Classifier(), torch.utils.data.DataLoader(data, batch_size=3))
 
 
-def test_a_compiled_fit_on_cpu_leaves_the_layout_alone_and_writes_a_cpp_wrapper(layout_decisions):
+def test_a_compiled_fit_on_cpu_leaves_the_layout_alone_and_writes_a_cpp_wrapper(
+    layout_decisions, monkeypatch
+):
+    monkeypatch.setattr(
+        cpu_inductor, "CPP_WRAPPER_MIN_OPS", 1
+    )  # SmallCNN's graphs are smaller than the default
     _fit("compiled")
     # stock Inductor answers True for mkldnn convs on CPU, and writes a Python wrapper
     assert layout_decisions and not any(layout_decisions)
     assert all(layout_decisions.cpp_wrappers)
+
+
+def _mlp(depth: int) -> torch.fx.GraphModule:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    return torch.fx.symbolic_trace(nn.Sequential(*layers, nn.Linear(4, 2)))
+
+
+@pytest.mark.parametrize(
+    ("depth", "asked", "expected"),
+    [
+        (0, None, False),
+        (11, None, False),
+        (12, None, True),
+        (40, None, True),
+        (0, True, True),
+        (40, False, False),
+    ],
+)
+def test_the_cpp_wrapper_is_written_for_graphs_of_many_ops(monkeypatch, depth, asked, expected):
+    """A graph of 1 or 23 ops keeps the Python wrapper (a call into the C++ one costs more), one of 25 or 81
+    gets the C++ wrapper; a caller's own ``cpp_wrapper`` stands either way."""
+    from torch._inductor import compile_fx
+
+    seen = []
+    monkeypatch.setattr(
+        compile_fx, "compile_fx", lambda gm, inputs, config_patches, **kw: seen.append(config_patches)
+    )
+    graph = _mlp(depth)
+    assert cpu_inductor.graph_op_count(graph) == 2 * depth + 1
+    backend = cpu_inductor.CPUTrainingInductor(None, dict(cpu_inductor.CPU_TRAINING_OPTIONS), None)
+    backend(graph, [torch.randn(2, 4)], config_patches=None if asked is None else {"cpp_wrapper": asked})
+    assert seen[0]["cpp_wrapper"] is expected
+    assert seen[0]["layout_optimization"] is False
 
 
 @pytest.mark.parametrize(
