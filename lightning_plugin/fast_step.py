@@ -448,6 +448,45 @@ def _replacements() -> list[tuple[Any, str, Any]]:
     ]
 
 
+# ------------------------------------------------------------------------------------- trainer-state enums
+_INHERITED = object()
+_eq_before: dict[type, Any] = {}  # enum class -> its own __eq__ before ours (_INHERITED: it had none)
+
+
+def _state_enums() -> list[type]:
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+
+    return [RunningStage, TrainerFn, TrainerStatus]
+
+
+def _identity_first(original: Any) -> Any:
+    """``original`` (``StrEnum.__eq__``: two ``.value`` reads and two ``str.lower()``) after an identity
+    check: ``trainer.training`` compares its stage ~20 times a step (behind ``trainer._results``), nearly
+    always with the same member. Equal answers: a member is equal to itself under the original too."""
+
+    def __eq__(self: Any, other: object) -> bool:
+        return self is other or original(self, other)
+
+    return __eq__
+
+
+def _install_identity_first_eq() -> None:
+    for enum in _state_enums():
+        if enum in _eq_before:
+            continue
+        _eq_before[enum] = enum.__dict__.get("__eq__", _INHERITED)
+        enum.__eq__ = _identity_first(enum.__eq__)  # type: ignore[method-assign]  # __hash__ stays the class's
+
+
+def _remove_identity_first_eq() -> None:
+    for enum, before in _eq_before.items():
+        if before is _INHERITED:
+            del enum.__eq__
+        else:
+            enum.__eq__ = before  # type: ignore[method-assign]
+    _eq_before.clear()
+
+
 def install_lean_hook_calls(trainer: Any) -> bool:
     """Route ``trainer``'s hook calls through the lean versions above (every other trainer gets Lightning's
     own); True when installed. Not with a profiler other than Lightning's no-op one (its records stay
@@ -466,6 +505,7 @@ def install_lean_hook_calls(trainer: Any) -> bool:
         for module, name, lean in replacements:
             _lightning_hooks.setdefault(name, getattr(module, name))
             setattr(module, name, lean)
+        _install_identity_first_eq()
     _hook_users += 1
     trainer.__dict__[_LEAN_FLAG] = True
     return True
@@ -483,3 +523,4 @@ def remove_lean_hook_calls(trainer: Any) -> None:
         for module, name, _ in _replacements():
             setattr(module, name, _lightning_hooks[name])
         _lightning_hooks.clear()
+        _remove_identity_first_eq()

@@ -322,3 +322,46 @@ def test_gradient_clipping_is_lightnings_on_the_lean_hook_calls(make, trainer_kw
     assert torch.equal(fast, unclipped) is not clipped  # the clipping cases did change the weights
     if make is OwnClipping:
         assert fast_module.clip_calls == lightning_module.clip_calls == 4
+
+
+class StageComparisons(L.Callback):
+    """What the trainer-state enums answer in the middle of a lean fit."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+        self.patched = "__eq__" in RunningStage.__dict__ and "__eq__" in TrainerFn.__dict__
+        stage = trainer.state.stage
+        self.answers = [
+            stage == RunningStage.TRAINING,
+            stage == "train",
+            stage == "TRAIN",  # StrEnum compares without case
+            stage == RunningStage.VALIDATING,
+            stage != RunningStage.TRAINING,
+            trainer.state.fn == TrainerFn.FITTING,
+            trainer.state.fn == "fit",
+            hash(stage) == hash("train"),
+            {RunningStage.TRAINING: 1}.get("train"),
+        ]
+
+
+def test_the_state_enums_compare_as_lightnings_and_are_lightnings_again_after_the_fit(tmp_path):
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+
+    before = {enum: enum.__dict__.get("__eq__") for enum in (RunningStage, TrainerFn, TrainerStatus)}
+    seen = StageComparisons()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        strategy=_compiled(True),
+        max_steps=1,
+        logger=False,
+        callbacks=[seen],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Logging(), _data(8, 1))
+    assert seen.patched  # the identity-first comparison was in place
+    assert seen.answers == [True, True, True, False, False, True, True, True, 1]
+    assert {enum: enum.__dict__.get("__eq__") for enum in before} == before
