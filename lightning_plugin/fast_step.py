@@ -312,10 +312,6 @@ _lightning_hooks: dict[str, Any] = {}
 _LEAN_FLAG = "_lcv_lean_hook_calls"
 
 
-def _lean_trainer(trainer: Any) -> bool:
-    return bool(trainer.__dict__.get(_LEAN_FLAG, False))
-
-
 def _overrides(obj: Any, base: type, hook_name: str) -> bool:
     return hook_name in obj.__dict__ or getattr(type(obj), hook_name, None) is not getattr(
         base, hook_name, None
@@ -327,7 +323,7 @@ def _call_callback_hooks(
 ) -> None:
     """Lightning's ``call._call_callback_hooks`` without the callbacks that do not define ``hook_name`` (the
     base ``Callback``'s hooks do nothing) and without the no-op profiler's per-callback context."""
-    if not _lean_trainer(trainer):
+    if not trainer.__dict__.get(_LEAN_FLAG):
         _lightning_hooks["_call_callback_hooks"](
             trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kwargs
         )
@@ -357,7 +353,7 @@ def _call_lightning_module_hook(
     """Lightning's ``call._call_lightning_module_hook`` without the no-op profiler's context, skipping the
     no-op hooks the module leaves alone and passing the batch through the identity hooks it leaves alone."""
     module = pl_module or trainer.lightning_module
-    if module is None or not _lean_trainer(trainer):
+    if module is None or not trainer.__dict__.get(_LEAN_FLAG):
         return _lightning_hooks["_call_lightning_module_hook"](
             trainer, hook_name, *args, pl_module=pl_module, **kwargs
         )
@@ -401,7 +397,7 @@ def _set_fx_name(module: Any, name: str | None) -> None:
 
 def _call_strategy_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
     """Lightning's ``call._call_strategy_hook`` without the no-op profiler's context."""
-    if not _lean_trainer(trainer):
+    if not trainer.__dict__.get(_LEAN_FLAG):
         return _lightning_hooks["_call_strategy_hook"](trainer, hook_name, *args, **kwargs)
     pl_module = trainer.lightning_module
     previous = pl_module._current_fx_name
