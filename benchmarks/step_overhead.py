@@ -19,8 +19,8 @@ same point for every side, and no callback of ours in the step. The sides run in
 kept, then the median over repeats. A cProfile of one more fit of each of ``plain`` and ``compiled`` says where
 the difference goes.
 
-The CPU this ran on is shared with other jobs (``shared`` in the JSON says so); the sides alternate so
-that the load falls on all of them alike, and medians keep the outliers out.
+The CPU this runs on may be shared with other jobs (``load_average`` in the JSON says how loaded it was);
+the sides alternate so that the load falls on all of them alike, and medians keep the outliers out.
 
     python benchmarks/step_overhead.py                       # ~2 min on 2 cores
     python benchmarks/step_overhead.py --steps 60 --warmup 10 --repeats 1 --backend eager --no-profile
@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     root = tempfile.mkdtemp(prefix="lcv-step-overhead-")
+    load_start = os.getloadavg()[0]
     try:
         sides = Sides(args.backend, root, args.progress_bar, args.device)
         for side in sides_run:  # compile and warm every side once, untimed
@@ -339,11 +340,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overhead_cpu = median(per_repeat_cpu["compiled"]) - plain_cpu if "compiled" in per_repeat else None
     payload = {
         "args": vars(args),
-        "shared": (
-            "the 2-core machine was shared with other agents' jobs while this ran"
-            if args.device == "cpu"
-            else "a lent GPU machine, not shared"
-        ),
+        # the machine's load (1-minute average) when the sides started and when they ended: other jobs on
+        # the same cores show here (on the shared 2-core CPU it has been 12-17 during some runs)
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "gpu": "not measured on GPU" if args.device == "cpu" else info_gpu(),
         "results": rows,
         "per_repeat_us": per_repeat,
@@ -361,7 +360,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     info = machine_info()
     path = write_results(args.out or f"step_overhead-{args.device}", payload)
-    print(f"machine: {info['device']}, {info['cpu_count']} cores (shared), torch {info['torch']}")
+    print(
+        f"machine: {info['device']}, {info['cpu_count']} cores, load average {load_start:.1f} at the start and "
+        f"{payload['load_average']['end']:.1f} at the end, torch {info['torch']}"
+    )
     print_table(rows, ["side", "us/step", "minus plain us", "ratio", "cpu us/step", "cpu minus plain us"])
     if overhead is not None and overhead_cpu is not None:
         print(
