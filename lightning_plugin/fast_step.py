@@ -189,10 +189,54 @@ class LeanLog:
         connector = trainer._logger_connector
         if connector.should_reset_tensors(fx):  # the first batch of a new epoch: Lightning resets this hook's
             results.reset(metrics=False, fx=fx)
-        size = results._extract_batch_size(stored, batch_size, stored.meta)
-        stored.forward(value, size)
+        meta = stored.meta
+        if meta.on_step and not meta.on_epoch and _step_value_shortcut(stored):
+            _set_step_value(stored, value)
+        else:
+            size = results._extract_batch_size(stored, batch_size, meta)
+            stored.forward(value, size)
         stored.has_reset = False
         connector._current_fx = fx
+
+
+#: ``[lowest, first untested)`` torchmetrics versions whose ``Metric.update`` wrapper :func:`_set_step_value`
+#: does the bookkeeping of.
+TESTED_TORCHMETRICS = ("1.0.0", "2.0.0")
+
+
+def _torchmetrics_tested() -> bool:
+    import torchmetrics
+
+    low, high = TESTED_TORCHMETRICS
+    return Version(low) <= Version(torchmetrics.__version__) < Version(high)
+
+
+_TORCHMETRICS_TESTED = _torchmetrics_tested()
+
+
+def _step_value_shortcut(stored: Any) -> bool:
+    """Whether :func:`_set_step_value` may stand in for ``stored.forward``: Lightning's own ``_ResultMetric``
+    holding a tensor, with no CPU offload of its states, under a torchmetrics version it was tested with."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    return (
+        _TORCHMETRICS_TESTED
+        and type(stored) is _ResultMetric
+        and stored.is_tensor
+        and not stored.compute_on_cpu
+    )
+
+
+def _set_step_value(stored: Any, value: torch.Tensor) -> None:
+    """``_ResultMetric.forward`` for a value logged on step only (``training_step``'s default): its ``update``
+    keeps the synced clone as the value (no accumulation), inside torchmetrics' update wrapper, which clears
+    the computed cache and counts the update. The same states, without the wrapper's grad-mode context and
+    the dtype checks (:class:`LeanLog` passes only detached float32/float64 scalars here): ~10 us a call."""
+    stored._computed = None
+    stored._update_count += 1
+    cached = stored.meta.sync(value.clone())  # `clone`: the sync is in place
+    stored._forward_cache = cached
+    stored.value = cached
 
 
 def _is_metric(value: Any) -> bool:

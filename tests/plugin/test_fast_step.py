@@ -72,6 +72,28 @@ def _data(n: int, seed: int) -> DataLoader:
     return DataLoader(data, batch_size=4)  # n not a multiple of 4: a smaller last batch
 
 
+class TrainingStates(L.Callback):
+    """Each training ``_ResultMetric``'s states after every batch (an epoch's end resets them)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(
+            {
+                key: (
+                    metric.value.item()
+                    if isinstance(metric.value, torch.Tensor)
+                    else type(metric.value).__name__,
+                    None if metric._forward_cache is None else float(metric._forward_cache),
+                    metric._update_count,
+                    metric._computed is None,
+                )
+                for key, metric in trainer.fit_loop.epoch_loop._results.items()
+            }
+        )
+
+
 def _fit(strategy, root) -> tuple[L.Trainer, Logging, dict[str, list[tuple[int, float]]]]:
     torch.manual_seed(0)
     module = Logging()
@@ -84,7 +106,7 @@ def _fit(strategy, root) -> tuple[L.Trainer, Logging, dict[str, list[tuple[int, 
         max_epochs=2,
         log_every_n_steps=2,
         logger=TensorBoardLogger(root, name="tb"),
-        callbacks=[checkpoint, stop],
+        callbacks=[checkpoint, stop, TrainingStates()],
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -143,6 +165,26 @@ def test_same_records_as_lightning(fits, reference):
     assert _plain(fast_trainer.logged_metrics) == _plain(ref_trainer.logged_metrics)
     assert fast_trainer.progress_bar_metrics == ref_trainer.progress_bar_metrics
     assert fast_trainer.checkpoint_score == ref_trainer.checkpoint_score
+
+
+def test_the_stored_training_metrics_hold_lightnings_states(fits):
+    """Each training ``_ResultMetric`` after every batch: the same value, forward cache, update count and
+    cached result as Lightning's own path left (the on-step values take ``_set_step_value``, not ``forward``)."""
+
+    def states(name):
+        trainer = fits[name][0]
+        return next(cb for cb in trainer.callbacks if isinstance(cb, TrainingStates)).seen
+
+    fast = states("fast")
+    assert fast == states("lightning_path")
+    assert len(fast) == 12 and [batch["training_step.train/loss"][2] for batch in fast[:6]] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
 
 
 def test_an_untested_lightning_keeps_lightnings_log(monkeypatch, caplog):
@@ -365,3 +407,13 @@ def test_the_state_enums_compare_as_lightnings_and_are_lightnings_again_after_th
     assert seen.patched  # the identity-first comparison was in place
     assert seen.answers == [True, True, True, False, False, True, True, True, 1]
     assert {enum: enum.__dict__.get("__eq__") for enum in before} == before
+
+
+@pytest.mark.parametrize(
+    ("version", "tested"), [("1.9.0", True), ("1.0.0", True), ("0.11.4", False), ("2.0.0", False)]
+)
+def test_the_step_value_shortcut_only_under_tested_torchmetrics(monkeypatch, version, tested):
+    import torchmetrics
+
+    monkeypatch.setattr(torchmetrics, "__version__", version)
+    assert fast_step._torchmetrics_tested() is tested
