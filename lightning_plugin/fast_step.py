@@ -37,8 +37,10 @@ from typing_extensions import override
 
 try:
     from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 except ImportError:  # pragma: no cover - another Lightning layout: lean_log_supported() says no
     _LoggerConnector = object  # type: ignore[assignment,misc]
+    _ResultMetric = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "TESTED_LIGHTNING",
@@ -217,8 +219,6 @@ _TORCHMETRICS_TESTED = _torchmetrics_tested()
 def _step_value_shortcut(stored: Any) -> bool:
     """Whether :func:`_set_step_value` may stand in for ``stored.forward``: Lightning's own ``_ResultMetric``
     holding a tensor, with no CPU offload of its states, under a torchmetrics version it was tested with."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-
     return (
         _TORCHMETRICS_TESTED
         and type(stored) is _ResultMetric
