@@ -276,6 +276,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
     parser.add_argument(
+        "--cpp-wrapper-min-ops",
+        type=int,
+        default=None,
+        help="the compiled sides' CPP_WRAPPER_MIN_OPS (lightning_plugin/cpu/inductor.py; 0: the C++ wrapper "
+        "for every graph); default: the strategy's own",
+    )
+    parser.add_argument(
         "--out", default=None, help="results file name (no .json; default step_overhead-DEVICE)"
     )
     args = parser.parse_args(argv)
@@ -286,6 +293,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.warmup + 2 > args.steps:
         parser.error(f"--warmup ({args.warmup}) leaves fewer than 2 timed steps of --steps ({args.steps})")
 
+    if args.cpp_wrapper_min_ops is not None:
+        if args.cpp_wrapper_min_ops < 0:
+            parser.error(f"--cpp-wrapper-min-ops must be >= 0; got {args.cpp_wrapper_min_ops}")
+        from lightning_plugin.cpu import inductor as cpu_inductor
+
+        cpu_inductor.CPP_WRAPPER_MIN_OPS = args.cpp_wrapper_min_ops
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")

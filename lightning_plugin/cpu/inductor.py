@@ -20,11 +20,13 @@ layout change alone), 1 thread, same process.
 Inductor's C++ wrapper (``cpp_wrapper``): the generated code that calls the kernels and allocates the buffers
 is C++ instead of Python, which saves a few ms per step of interpreter work. torchvision ResNet-18 (64 px,
 batch 32, fused SGD step, same process, 2-core x86_64): 1.104x -> 1.133x eager; mobilenet_v3_small 1.16x ->
-1.20x; a cold compile takes about 1.7 s longer (one more C++ build per graph). A call into it costs more than
-a call of the Python wrapper, so a graph of a few ops loses: fwd+bwd of an MLP of 1-5 ops (batch 4, 1 thread)
-took 10-110 us longer with it, one of ~17 ops broke even, one of ~49 ops was 46-375 us faster, over three runs.
-So a graph with fewer than :data:`CPP_WRAPPER_MIN_OPS` ops keeps the Python wrapper (a small head, a piece
-between graph breaks, ``benchmarks/step_overhead.py``'s ``Linear(8, 2)``: 40-100 us a step less).
+1.20x; a cold compile takes about 1.7 s longer (one more C++ build per graph). Those gains come from graphs of
+hundreds of ops; on a small graph a call into the C++ wrapper costs a little more than one of the Python
+wrapper (``benchmarks/cpp_wrapper.py``, fwd+bwd of an MLP, batch 4, 1 thread: +6-7 us at 1-5 ops, within
++-14 us from 17 to 49 ops, no size of it where the C++ wrapper won clearly). So a graph with fewer than
+:data:`CPP_WRAPPER_MIN_OPS` ops keeps the Python wrapper (a small head, a piece between graph breaks):
+``benchmarks/step_overhead.py``'s ``Linear(8, 2)`` step 17 us shorter (8 pairs against the C++ wrapper for
+every graph, ``--cpp-wrapper-min-ops 0``).
 
 Graph changes (:mod:`lightning_plugin.cpu.graph_passes`), passed by :class:`CPUTrainingInductor`: for
 non-overlapping max-pools in channels_last the forward values realised once and a gather in place of torch

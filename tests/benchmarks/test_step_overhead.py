@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from script_loader import load_script
 
 
@@ -29,3 +31,11 @@ def test_step_overhead_reports_every_side(tmp_path, monkeypatch, capsys):
         and "ncalls" in profile["compiled top functions by own time"]
     )
     assert "compiled - plain" in capsys.readouterr().out
+
+
+def test_a_negative_cpp_wrapper_threshold_is_refused_in_one_line(capsys):
+    bench = load_script("benchmarks/step_overhead.py")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--cpp-wrapper-min-ops", "-1", "--no-profile"])
+    assert stop.value.code == 2
+    assert "--cpp-wrapper-min-ops must be >= 0; got -1" in capsys.readouterr().err
