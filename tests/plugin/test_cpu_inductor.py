@@ -155,9 +155,8 @@ def _fit(strategy) -> None:
 def test_a_compiled_fit_on_cpu_leaves_the_layout_alone_and_writes_a_cpp_wrapper(
     layout_decisions, monkeypatch
 ):
-    monkeypatch.setattr(
-        cpu_inductor, "CPP_WRAPPER_MIN_OPS", 1
-    )  # SmallCNN's graphs are smaller than the default
+    # SmallCNN's graphs are smaller than the default: its fit checks the C++ wrapper with the threshold at 1
+    monkeypatch.setattr(cpu_inductor, "CPP_WRAPPER_MIN_OPS", 1)
     _fit("compiled")
     # stock Inductor answers True for mkldnn convs on CPU, and writes a Python wrapper
     assert layout_decisions and not any(layout_decisions)
