@@ -85,7 +85,7 @@ def server(fp32_package, tmp_path_factory):
     try:
         process.wait(timeout=120)  # LitServe's own waits are bounded (SHUTDOWN_GRACE_S, then kills)
     except subprocess.TimeoutExpired:
-        _dump_stacks_and_kill(process.pid)
+        _dump_stacks_and_kill(process.pid, folder / "server.log")
         pytest.fail("lcv serve did not stop on Ctrl-C; its log and stacks:\n" + _log_tail(folder))
     finally:
         if process.poll() is None:
@@ -98,13 +98,42 @@ def server(fp32_package, tmp_path_factory):
     assert not left, left
 
 
-def _dump_stacks_and_kill(group: int) -> None:
-    """Every thread's stack of each process of the group into the log (``serve`` registers SIGUSR1 with
-    faulthandler), then SIGKILL: a stop that hangs in CI shows where it waits."""
-    for pid in [group, *_group_children(group)]:
+#: The bottom frame of the main thread of the server process and of an inference worker: faulthandler dumps the
+#: main thread last, so its bottom frame in the log says the process's dump is complete.
+SERVER_BOTTOM_FRAME, WORKER_BOTTOM_FRAME = "in _run_module_as_main", "in spawn_main"
+
+
+def _dump_stacks(pid: int, log: Path, bottom_frame: str, timeout: float) -> str:
+    """SIGUSR1 to ``pid`` (``serve`` registers it with faulthandler), then what the process wrote to ``log``,
+    read once ``bottom_frame`` is there: faulthandler writes a dump piece by piece, and two processes dumping
+    at once interleave their words in the shared log, so callers signal one process at a time."""
+    start = len(log.read_text())
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while bottom_frame not in log.read_text()[start:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return log.read_text()[start:]
+
+
+def _workers(group: int) -> list[int]:
+    """The inference workers among the processes of group ``group`` (LitServe spawns them)."""
+    found = []
+    for pid in _group_children(group):
+        with contextlib.suppress(OSError):  # it may have exited since
+            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
+                found.append(pid)
+    return found
+
+
+def _dump_stacks_and_kill(group: int, log: Path) -> None:
+    """Every thread's stack of the server process and of each worker into the log, one process after the
+    other, then SIGKILL to the group: a stop that hangs in CI shows where it waits."""
+    for pid, bottom_frame in [
+        (group, SERVER_BOTTOM_FRAME),
+        *((w, WORKER_BOTTOM_FRAME) for w in _workers(group)),
+    ]:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
-    time.sleep(2)  # faulthandler writes from the signal handler; give each process a moment
+            _dump_stacks(pid, log, bottom_frame, timeout=10)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)
 
@@ -258,21 +287,13 @@ def test_usr1_prints_each_threads_stack_and_the_server_keeps_serving(server, dig
     """``kill -USR1`` (docs/deploy.md) on the server process and its inference worker: each writes its threads'
     stacks to the log, and neither stops: a request still gets its answer."""
     url, folder, pid = server
-    workers = [p for p in _group_children(pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    workers = _workers(pid)
     assert len(workers) == 1, _group_children(pid)
-    log = folder / "server.log"
-    # One process at a time: faulthandler writes a dump piece by piece, so two at once interleave their
-    # words in the shared log. The main thread is dumped last; its bottom frame says the dump is complete.
     for target, bottom_frame, a_frame in (
-        (pid, "in _run_module_as_main", "litserve/server.py"),
-        (workers[0], "in spawn_main", "in inference_worker"),
+        (pid, SERVER_BOTTOM_FRAME, "litserve/server.py"),
+        (workers[0], WORKER_BOTTOM_FRAME, "in inference_worker"),
     ):
-        start = len(log.read_text())
-        os.kill(target, signal.SIGUSR1)
-        deadline = time.monotonic() + 60
-        while bottom_frame not in log.read_text()[start:] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        dumped = log.read_text()[start:]
+        dumped = _dump_stacks(target, folder / "server.log", bottom_frame, timeout=60)
         assert bottom_frame in dumped and a_frame in dumped, dumped[-3000:]
         assert dumped.count("Current thread") == 1, dumped[-3000:]
     digit = digits_test_set[0][0].permute(1, 2, 0).numpy()
