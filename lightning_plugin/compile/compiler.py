@@ -31,6 +31,7 @@ from lightning_plugin.compile.stats import CompileStats, FrameRecord, make_backe
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu import graph_passes as cpu_graph_passes
 from lightning_plugin.cpu import inductor as cpu_inductor
+from lightning_plugin.cpu.strided_pointwise_conv import restore_convs, subsample_strided_pointwise_convs
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class ModuleCompiler:
         self.stats = CompileStats()
         self._patched: list[_PatchedForward] = []
         self._substitution_report: Any = None
+        self._subsampled_convs: list[nn.Conv2d] = []  # see lightning_plugin.cpu.strided_pointwise_conv
         self._selection: Any = None  # an AutoKernelSelection with kernels="auto"
         self._targets: list[nn.Module] = []
         self._backend: Callable[..., Any] | None = None
@@ -124,6 +126,8 @@ class ModuleCompiler:
 
             self._substitution_report = apply_substitutions(module, kinds)
             log.info("Kernel substitutions:\n%s", self._substitution_report.summary())
+        if device.type == "cpu":
+            self._subsampled_convs = subsample_strided_pointwise_convs(module)
         self._selection = None
         if kinds and self.config.kernels == "auto":
             from lightning_plugin.kernel_choice.selection import AutoKernelSelection
@@ -178,6 +182,8 @@ class ModuleCompiler:
 
             undo_substitutions(module, self._substitution_report)
         self._substitution_report = None
+        restore_convs(self._subsampled_convs)
+        self._subsampled_convs = []
 
     def _patch_targets(self, root: nn.Module) -> None:
         for target in self._targets:
