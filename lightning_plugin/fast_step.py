@@ -77,11 +77,17 @@ def _private_api_present() -> bool:
     )
 
 
+def _in_range(version: str, tested: tuple[str, str]) -> bool:
+    """Whether ``version`` lies in ``[tested[0], tested[1])``."""
+    low, high = tested
+    return Version(low) <= Version(version) < Version(high)
+
+
 def lean_log_supported(version: str | None = None) -> tuple[bool, str]:
     """Whether :class:`LeanLog` may be used with this Lightning (``version``: the installed one), and why not."""
     version = lightning.__version__ if version is None else version
-    low, high = TESTED_LIGHTNING
-    if not Version(low) <= Version(version) < Version(high):
+    if not _in_range(version, TESTED_LIGHTNING):
+        low, high = TESTED_LIGHTNING
         return False, f"Lightning {version} is outside the tested range [{low}, {high})"
     if not _private_api_present():
         return False, "Lightning's logging internals (_ResultCollection/_ResultMetric) are not as tested"
@@ -209,8 +215,7 @@ TESTED_TORCHMETRICS = ("1.0.0", "2.0.0")
 def _torchmetrics_tested() -> bool:
     import torchmetrics
 
-    low, high = TESTED_TORCHMETRICS
-    return Version(low) <= Version(torchmetrics.__version__) < Version(high)
+    return _in_range(torchmetrics.__version__, TESTED_TORCHMETRICS)
 
 
 _TORCHMETRICS_TESTED = _torchmetrics_tested()
