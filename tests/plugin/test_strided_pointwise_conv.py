@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from boring import TRAINER_KWARGS
 from lcv_kernels.tolerances import bound, reduction_tolerance
 from lightning_plugin.cpu.strided_pointwise_conv import (
     SubsampledPointwiseConv2d,
@@ -133,16 +134,7 @@ class _Downsampler(L.LightningModule):
 def test_the_compiled_strategy_rewrites_on_cpu_and_restores_after_fit(tmp_path):
     module = _Downsampler()
     data = torch.utils.data.TensorDataset(torch.randn(4, 4, 8, 8))
-    trainer = L.Trainer(
-        strategy="compiled",
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = L.Trainer(**TRAINER_KWARGS, strategy="compiled", max_steps=2, default_root_dir=tmp_path)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     assert module.seen == [SubsampledPointwiseConv2d] * 2
     assert type(module.shortcut) is nn.Conv2d
