@@ -27,6 +27,9 @@ else:
 
 import lightning_plugin  # noqa: F401  (registers the strategies)
 
+# pytest-xdist's loadgroup scheduler waits forever after a worker dies; this one ends the run (its docstring).
+pytest_plugins = ("xdist_crash_recovery",)
+
 # torch's structured trace log is DEBUG-level; letting pytest capture it slows every compile.
 logging.getLogger("torch.__trace").propagate = False
 

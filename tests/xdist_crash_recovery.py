@@ -1,0 +1,72 @@
+"""A pytest-xdist ``--dist loadgroup`` scheduler that finishes the run after a worker dies.
+
+`make test` runs two pytest-xdist workers with ``--dist loadgroup``. When a worker dies (a segfault in native
+code, the kernel's OOM killer, ``faulthandler_exit_on_timeout`` ending a hung test), pytest-xdist 3.8 reports
+the test it died on as failed and starts a replacement worker, but its loadgroup scheduler then waits forever:
+
+- the dead worker's *finished* groups go back on the queue, and a worker handed one gets an empty list of
+  tests, never reports a result, and so is never given more work (pytest-xdist issues 1323, 1378);
+- a replacement handed a single test waits for a second one before running it (a worker runs a test only
+  once it knows the next), and only that worker's own results would bring it one (issue 1327).
+
+A CI run that waits so is stopped at its time limit and says nothing about why (it happened on 2026-12-07).
+This scheduler keeps pytest-xdist's grouping and order and fixes only the recovery: finished groups are
+forgotten, the test the worker died on is not run again (it is already reported as failed, and would likely
+take the replacement down too), the dead worker's unfinished tests go back on the queue, and every live worker
+is kept at two or more queued tests or told to finish. ``tests/test_xdist_crash_recovery.py`` kills workers in
+real pytest-xdist runs to check that such a run ends and runs every other test once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from xdist.scheduler import LoadGroupScheduling
+from xdist.workermanage import WorkerController
+
+
+class CrashTolerantLoadGroupScheduling(LoadGroupScheduling):
+    """pytest-xdist's ``LoadGroupScheduling`` that recovers from a dead worker instead of waiting forever."""
+
+    def mark_test_complete(self, node: WorkerController, item_index: int, duration: float = 0) -> None:
+        super().mark_test_complete(node, item_index, duration)
+        workload = self.assigned_work.get(node, {})
+        for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
+            del workload[scope]
+        if not self.workqueue:
+            # Nothing left to hand out: every live worker may finish once its queued tests are done.
+            for other in self.nodes:
+                self._reschedule(other)
+
+    def remove_node(self, node: WorkerController) -> str | None:
+        workload = self.assigned_work.pop(node)  # KeyError for an unknown node, as pytest-xdist expects
+        crashitem = next(
+            (nodeid for unit in workload.values() for nodeid, done in unit.items() if not done), None
+        )
+        if crashitem is None:
+            return None
+        for unit in workload.values():
+            if crashitem in unit:
+                unit[crashitem] = True
+        self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
+        for other in self.nodes:
+            self._reschedule(other)
+        return crashitem
+
+    def _reschedule(self, node: WorkerController) -> None:
+        if node not in self.registered_collections:
+            return  # a replacement still collecting: ``schedule()`` gives it work once its collection is in
+        super()._reschedule(node)
+        while not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+            self._assign_work_unit(node)
+        if not node.shutting_down and not self.workqueue:
+            node.shutdown()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadGroupScheduling | None:
+    """Use the crash-tolerant scheduler for ``--dist loadgroup``; pytest-xdist's own for any other mode."""
+    if config.getoption("dist", None) != "loadgroup":
+        return None
+    return CrashTolerantLoadGroupScheduling(config, log)
