@@ -11,6 +11,7 @@ came after the dead one included).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from xdist_crash_recovery import CrashTolerantLoadGroupScheduling
+from xdist_crash_recovery import CrashTolerantLoadGroupScheduling, describe_dead_worker
 
 TESTS = Path(__file__).resolve().parent
 
@@ -110,6 +111,10 @@ def test_a_run_whose_worker_dies_ends_and_runs_every_other_test_once(
     assert sorted(ran) == sorted(NAMES), "each test must run exactly once, the dead one not again"
     if how == "hang":  # the stack of the hung test reached the output before its worker ended
         assert "Timeout (0:00:03)!" in output and "in _ran" in output, output[-3000:]
+        assert "worker process exited with status 1;" in output, output[-3000:]
+    else:
+        assert "worker process was killed by SIGKILL (nothing can print" in output, output[-3000:]
+    assert re.search(r"\d+ MiB of \d+ MiB available now", output), output[-3000:]
 
 
 def test_the_suite_runs_with_the_crash_tolerant_scheduler(request: pytest.FixtureRequest) -> None:
@@ -178,3 +183,10 @@ def test_the_scheduler_requeues_only_unfinished_work_of_a_dead_worker() -> None:
 
     assert sorted(ran) == [i for i in range(len(collection)) if i != dies_at], "others once, test_g1 never"
     assert scheduler.tests_finished and all(w.shutting_down for w in workers)
+
+
+def test_a_dead_worker_is_described_by_its_signal_or_status() -> None:
+    assert describe_dead_worker(-signal.SIGSEGV, "m") == "was killed by SIGSEGV; m"  # no OOM hint
+    assert describe_dead_worker(-signal.SIGKILL, "m").startswith("was killed by SIGKILL (")
+    assert describe_dead_worker(3, "m") == "exited with status 3; m"
+    assert describe_dead_worker(None, "m") == "ended (exit status not known); m"

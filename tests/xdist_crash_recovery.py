@@ -15,10 +15,16 @@ forgotten, the test the worker died on is not run again (it is already reported 
 take the replacement down too), the dead worker's unfinished tests go back on the queue, and every live worker
 is kept at two or more queued tests or told to finish. ``tests/test_xdist_crash_recovery.py`` kills workers in
 real pytest-xdist runs to check that such a run ends and runs every other test once.
+
+A worker killed by SIGKILL (the OOM killer's signal) prints nothing, not even faulthandler's stack; so the run
+says how each dead worker ended and how much memory the machine had left (``pytest_testnodedown`` below).
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,3 +76,47 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadGroupSch
     if config.getoption("dist", None) != "loadgroup":
         return None
     return CrashTolerantLoadGroupScheduling(config, log)
+
+
+def _exit_status(node: WorkerController) -> int | None:
+    """The dead worker's exit status (negative: the signal that killed it); None where execnet hides it."""
+    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)  # execnet's Popen2IOMaster
+    if not isinstance(popen, subprocess.Popen):
+        return None
+    try:
+        return popen.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _memory_left() -> str:
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available, total = (int(fields[name].split()[0]) // 1024 for name in ("MemAvailable", "MemTotal"))
+    except (OSError, KeyError, ValueError):
+        return "memory left not known"
+    return f"{available} MiB of {total} MiB available now"
+
+
+def describe_dead_worker(status: int | None, memory_left: str) -> str:
+    """One line on how a worker ended, for the run's output."""
+    if status is None:
+        how = "ended (exit status not known)"
+    elif status < 0:
+        name = signal.Signals(-status).name if -status in signal.valid_signals() else f"signal {-status}"
+        how = f"was killed by {name}"
+        if -status == signal.SIGKILL:
+            how += " (nothing can print a stack then: the kernel's OOM killer sends it)"
+    else:
+        how = f"exited with status {status}"
+    return f"{how}; {memory_left}"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: WorkerController, error: object | None) -> None:
+    if error is None:  # a worker that finished its tests
+        return
+    reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        line = describe_dead_worker(_exit_status(node), _memory_left())
+        reporter.write_line(f"[{node.gateway.id}] worker process {line}")
