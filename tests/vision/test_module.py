@@ -238,3 +238,41 @@ def test_whitening_without_a_datamodule_names_the_problem():
     )
     with pytest.raises(ValueError, match=r"whitening_images=8 needs the training images .* datamodule"):
         trainer.fit(module, train_dataloaders=loader)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_a_cpu_fit_in_eager_mode_subsamples_the_few_channel_strided_shortcuts_and_restores_them(
+    channels_last,
+):
+    """oneDNN's AVX2 weight gradient of a strided 1x1 convolution with < 8 input channels overruns its workspace
+    (lightning_plugin/cpu/strided_pointwise_conv.py); an eager fit (no compiled strategy) of a width-4 ResNet met
+    it with either memory format, and crashed CI workers on AVX2 machines. During the fit such a shortcut is the
+    subsampled stride-1 convolution; every other convolution keeps its class; after the fit all are back."""
+    from lightning.pytorch.callbacks import Callback
+    from torch import nn
+
+    from lcv_vision.data import DigitsDataModule
+    from lightning_plugin.cpu.strided_pointwise_conv import SubsampledPointwiseConv2d
+
+    module = ClassificationModule(
+        "resnet18", num_classes=10, model_kwargs={"width": 4, "stem": "cifar"}, channels_last=channels_last
+    )
+    convs = [m for m in module.model.modules() if isinstance(m, nn.Conv2d)]
+    few_channel_shortcuts = [
+        c for c in convs if c.kernel_size == (1, 1) and c.stride != (1, 1) and c.in_channels < 8
+    ]
+    assert few_channel_shortcuts, "the width-4 ResNet-18 no longer has the layer this test is about"
+    during: list[list[type]] = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            during.append([type(c) for c in convs])
+
+    trainer = pl.Trainer(
+        max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=8, image_size=8))
+    want = [SubsampledPointwiseConv2d if c in few_channel_shortcuts else nn.Conv2d for c in convs]
+    assert during == [want]
+    assert [type(c) for c in convs] == [nn.Conv2d] * len(convs)

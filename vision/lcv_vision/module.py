@@ -28,6 +28,7 @@ from lcv_vision.ema import ModelEMA, ema_warmup_decay, lookahead_decay
 from lcv_vision.finetune import load_initial_weights, pretrained_state_dict, read_weights_file
 from lcv_vision.models import create_model
 from lcv_vision.tta import TTA_MODES, predict_with_tta
+from lightning_plugin.cpu.strided_pointwise_conv import restore_convs, subsample_strided_pointwise_convs
 from lightning_plugin.trainer_attributes import runtime_attributes
 
 __all__ = ["ClassificationModule", "lr_factor"]
@@ -143,6 +144,7 @@ class ClassificationModule(pl.LightningModule):
         self.ema: ModelEMA | None = None
         self._evaluate_with: str | None = None  # "EMA" or "final"; None = the default (EMA when kept)
         self._initial_weights_loaded = False
+        self._subsampled_convs: list[nn.Conv2d] = []  # during a CPU fit: see on_fit_start
         if num_classes is not None:
             self._build(num_classes)
 
@@ -302,12 +304,22 @@ class ClassificationModule(pl.LightningModule):
     # ----------------------------------------------------------------------------------------- hooks
     @override
     def on_fit_start(self) -> None:
+        if self.device.type == "cpu":
+            # oneDNN's AVX2 weight gradient of a strided 1x1 convolution with < 8 input channels overruns its
+            # workspace (segfault, endless spin or a wrong gradient), in eager training too, whatever the
+            # model's memory format: the small models' shortcuts. A compiled strategy does the same itself.
+            self._subsampled_convs = subsample_strided_pointwise_convs(self)
         n = self._hp.whitening_images
         if n and isinstance(self.model, _Whitened):
             images = _first_images(self.trainer, n)
             self.model.init_whitening(images.to(self.device))
             if self.ema is not None:  # a copy of the model, so it has the same layer
                 cast(_Whitened, self.ema.module).init_whitening(images.to(self.device))
+
+    @override
+    def on_fit_end(self) -> None:
+        restore_convs(self._subsampled_convs)  # the model leaves ``fit`` with the classes it came with
+        self._subsampled_convs = []
 
     @override
     def on_train_epoch_start(self) -> None:
