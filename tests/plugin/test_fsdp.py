@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lcv_kernels.tolerances import network_length, reduction_tolerance, tolerance, trajectory_tolerance
+from logged_process import LoggedProcess
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "fsdp_script.py")
@@ -80,17 +80,14 @@ def _srun_env(job: str, node: int) -> dict[str, str]:
     }
 
 
-def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _start(args: list[str], env: dict[str, str]) -> LoggedProcess:
+    # output to a file: the fixture waits on one run while the others train (see tests/logged_process.py)
+    return LoggedProcess(args, env=env)
 
 
-def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-    return proc.returncode, output[-4000:]
+def _finish(proc: LoggedProcess) -> tuple[int, str]:
+    code, output = proc.finish(TIMEOUT)
+    return code, output[-4000:]
 
 
 def _fit_one_process(out: Path, ckpt_path: Path | None, **trainer_kwargs) -> list:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 
 import lightning as L
@@ -26,6 +25,7 @@ from lightning_plugin.callbacks import TrainingMonitor
 from lightning_plugin.kernel_choice import selection as kernel_selection
 from lightning_plugin.kernel_choice.cache import CACHE_DIR_ENV
 from lightning_plugin.kernel_choice.substitution import substituted_modules
+from logged_process import LoggedProcess
 from selection_helpers import FakeClock, chain, use_reference_ops
 
 HERE = os.path.dirname(__file__)
@@ -52,19 +52,13 @@ def test_ddp_ranks_run_rank_zeros_decisions(tmp_path):
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     script = os.path.join(HERE, "kernel_selection_ddp_script.py")
+    # output to files: waiting on rank 0 must not leave rank 1 blocked on a full pipe (tests/logged_process.py)
     procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), port, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
+        LoggedProcess([sys.executable, script, str(rank), port, str(tmp_path)], env=env) for rank in (0, 1)
     ]
     for proc in procs:
-        _, err = proc.communicate(timeout=280)
-        assert proc.returncode == 0, err[-4000:]
+        code, output = proc.finish(timeout=280)
+        assert code == 0, output[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # Rank 1's clock says the opposite of rank 0's; it is never asked, and runs rank 0's graph.
     assert ranks[0]["chosen"] == ["conv_bn_act", "eager"]
