@@ -28,7 +28,7 @@ else:
 import lightning_plugin  # noqa: F401  (registers the strategies)
 
 # pytest-xdist's loadgroup scheduler waits forever after a worker dies; this one ends the run (its docstring).
-pytest_plugins = ("xdist_crash_recovery",)
+pytest_plugins = ("worker_crashes",)
 
 # torch's structured trace log is DEBUG-level; letting pytest capture it slows every compile.
 logging.getLogger("torch.__trace").propagate = False

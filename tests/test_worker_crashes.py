@@ -1,6 +1,6 @@
 """A worker that dies mid-run must not hold `make test` until CI's time limit.
 
-Each test runs a real ``pytest -n 2 --dist loadgroup`` with our scheduler (``tests/xdist_crash_recovery.py``)
+Each test runs a real ``pytest -n 2 --dist loadgroup`` with our scheduler (``tests/worker_crashes.py``)
 over a small suite in which one test takes its worker down: killed as the kernel's OOM killer kills
 (SIGKILL, no Python left to report anything), or hung until ``faulthandler_exit_on_timeout`` ends it. With
 pytest-xdist 3.8's own loadgroup scheduler each of these runs waits forever after the replacement worker starts.
@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from xdist_crash_recovery import CrashTolerantLoadGroupScheduling, describe_dead_worker
+from worker_crashes import CrashTolerantLoadGroupScheduling, describe_dead_worker
 
 TESTS = Path(__file__).resolve().parent
 
 SUITE = textwrap.dedent(
     """
-    import os, signal, time
+    import ctypes, faulthandler, os, signal, time
     from pathlib import Path
 
     import pytest
@@ -39,7 +39,11 @@ SUITE = textwrap.dedent(
         if os.environ["RECOVERY_DIES_AT"] == name:
             if os.environ["RECOVERY_HOW"] == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ["RECOVERY_HOW"] == "segfault":
+                ctypes.string_at(0)
             time.sleep(600)  # hung in a way no Python exception can interrupt before the faulthandler exit
+        # What torch's elastic error handler does: crash reports to fd 2, which pytest captures in a test.
+        faulthandler.enable(all_threads=True)
 
     @pytest.mark.parametrize("i", range(10))
     def test_before(i):
@@ -77,7 +81,7 @@ def _run_suite(tmp_path: Path, dies_at: str, how: str, plugin: bool = True) -> t
     command += ["-n", "2", "--dist", "loadgroup", "-o", "faulthandler_timeout=3"]
     command += ["-o", "faulthandler_exit_on_timeout=true", "test_suite.py"]
     if plugin:
-        command[3:3] = ["-p", "xdist_crash_recovery"]
+        command[3:3] = ["-p", "worker_crashes"]
     process = subprocess.Popen(
         command,
         cwd=tmp_path,
@@ -98,7 +102,8 @@ def _run_suite(tmp_path: Path, dies_at: str, how: str, plugin: bool = True) -> t
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("dies_at", "how"), [("alone", "sigkill"), ("grouped1", "sigkill"), ("after3", "hang")]
+    ("dies_at", "how"),
+    [("alone", "sigkill"), ("grouped1", "sigkill"), ("after3", "hang"), ("after3", "segfault")],
 )
 def test_a_run_whose_worker_dies_ends_and_runs_every_other_test_once(
     tmp_path: Path, dies_at: str, how: str
@@ -112,6 +117,9 @@ def test_a_run_whose_worker_dies_ends_and_runs_every_other_test_once(
     if how == "hang":  # the stack of the hung test reached the output before its worker ended
         assert "Timeout (0:00:03)!" in output and "in _ran" in output, output[-3000:]
         assert "worker process exited with status 1;" in output, output[-3000:]
+    elif how == "segfault":  # its stack too, though earlier tests pointed faulthandler at captured output
+        assert "Fatal Python error: Segmentation fault" in output and "in _ran" in output, output[-3000:]
+        assert "worker process was killed by SIGSEGV;" in output, output[-3000:]
     else:
         assert "worker process was killed by SIGKILL (nothing can print" in output, output[-3000:]
     assert re.search(r"\d+ MiB of \d+ MiB available now", output), output[-3000:]
@@ -119,7 +127,7 @@ def test_a_run_whose_worker_dies_ends_and_runs_every_other_test_once(
 
 def test_the_suite_runs_with_the_crash_tolerant_scheduler(request: pytest.FixtureRequest) -> None:
     # tests/conftest.py loads the plugin; without it `make test` would use pytest-xdist's own scheduler.
-    assert request.config.pluginmanager.has_plugin("xdist_crash_recovery")
+    assert request.config.pluginmanager.has_plugin("worker_crashes")
 
 
 class _Worker:

@@ -1,4 +1,4 @@
-"""A pytest-xdist ``--dist loadgroup`` scheduler that finishes the run after a worker dies.
+"""What `make test` does when a pytest-xdist worker dies: the run ends, and its output says why.
 
 `make test` runs two pytest-xdist workers with ``--dist loadgroup``. When a worker dies (a segfault in native
 code, the kernel's OOM killer, ``faulthandler_exit_on_timeout`` ending a hung test), pytest-xdist 3.8 reports
@@ -10,18 +10,22 @@ the test it died on as failed and starts a replacement worker, but its loadgroup
   once it knows the next), and only that worker's own results would bring it one (issue 1327).
 
 A CI run that waits so is stopped at its time limit and says nothing about why (it happened on 2026-12-07).
-This scheduler keeps pytest-xdist's grouping and order and fixes only the recovery: finished groups are
-forgotten, the test the worker died on is not run again (it is already reported as failed, and would likely
-take the replacement down too), the dead worker's unfinished tests go back on the queue, and every live worker
-is kept at two or more queued tests or told to finish. ``tests/test_xdist_crash_recovery.py`` kills workers in
-real pytest-xdist runs to check that such a run ends and runs every other test once.
+``CrashTolerantLoadGroupScheduling`` keeps pytest-xdist's grouping and order and fixes only the recovery:
+finished groups are forgotten, the test the worker died on is not run again (it is already reported as failed,
+and would likely take the replacement down too), the dead worker's unfinished tests go back on the queue, and
+every live worker is kept at two or more queued tests or told to finish.
 
-A worker killed by SIGKILL (the OOM killer's signal) prints nothing, not even faulthandler's stack; so the run
-says how each dead worker ended and how much memory the machine had left (``pytest_testnodedown`` below).
+Two more things keep a death from being silent. A library that calls ``faulthandler.enable()`` during a test
+points Python's crash report at file descriptor 2, which pytest captures during each test and drops with the
+dead worker, so every later segfault printed nothing: each test starts with it pointed back at pytest's copy of
+the real stderr. And a worker killed by SIGKILL (the OOM killer's signal) prints nothing at all, so the run
+says how each dead worker ended and how much memory the machine had left. ``tests/test_worker_crashes.py``
+kills workers in real pytest-xdist runs and checks all of this.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import subprocess
 from pathlib import Path
@@ -120,3 +124,14 @@ def pytest_testnodedown(node: WorkerController, error: object | None) -> None:
     if reporter is not None:
         line = describe_dead_worker(_exit_status(node), _memory_left())
         reporter.write_line(f"[{node.gateway.id}] worker process {line}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Point Python's crash report back at the real stderr before each test (see the module's docstring)."""
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+    except ImportError:  # pytest moved it: the reports may go missing again, the tests still run
+        return
+    if faulthandler.is_enabled() and fault_handler_stderr_fd_key in item.config.stash:
+        faulthandler.enable(file=item.config.stash[fault_handler_stderr_fd_key], all_threads=True)
