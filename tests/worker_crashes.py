@@ -11,8 +11,8 @@ the test it died on as failed and starts a replacement worker, but its loadgroup
 
 A CI run that waits so is stopped at its time limit and says nothing about why (it happened on 2026-12-07).
 ``CrashTolerantLoadGroupScheduling`` keeps pytest-xdist's grouping and order and fixes only the recovery:
-finished groups are forgotten, the test the worker died on is not run again (it is already reported as failed,
-and would likely take the replacement down too), the dead worker's unfinished tests go back on the queue, and
+the dead worker's finished groups stay finished, the test it died on is not run again (it is already reported
+as failed, and would likely take the replacement down too), its unfinished tests go back on the queue, and
 every live worker is kept at two or more queued tests or told to finish.
 
 Two more things keep a death from being silent. A library that calls ``faulthandler.enable()`` during a test
@@ -38,16 +38,6 @@ from xdist.workermanage import WorkerController
 
 class CrashTolerantLoadGroupScheduling(LoadGroupScheduling):
     """pytest-xdist's ``LoadGroupScheduling`` that recovers from a dead worker instead of waiting forever."""
-
-    def mark_test_complete(self, node: WorkerController, item_index: int, duration: float = 0) -> None:
-        super().mark_test_complete(node, item_index, duration)
-        workload = self.assigned_work.get(node, {})
-        for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
-            del workload[scope]
-        if not self.workqueue:
-            # Nothing left to hand out: every live worker may finish once its queued tests are done.
-            for other in self.nodes:
-                self._reschedule(other)
 
     def remove_node(self, node: WorkerController) -> str | None:
         workload = self.assigned_work.pop(node)  # KeyError for an unknown node, as pytest-xdist expects
