@@ -66,7 +66,9 @@ NAMES = [f"before{i}" for i in range(10)] + [f"grouped{i}" for i in range(4)] + 
 NAMES += [f"after{i}" for i in range(10)]
 
 
-def _run_suite(tmp_path: Path, dies_at: str, how: str, plugin: bool = True) -> tuple[str, list[str]]:
+def _run_suite(tmp_path: Path, dies_at: str, how: str, plugin: bool = True) -> tuple[str, str, list[str]]:
+    """The inner run's stdout (the controller's report), stderr (what the workers print: faulthandler's
+    stacks) and the tests that ran. Two pipes: in one, a progress dot can land inside a stack's first line."""
     (tmp_path / "test_suite.py").write_text(SUITE)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     log = tmp_path / "ran.txt"
@@ -87,17 +89,19 @@ def _run_suite(tmp_path: Path, dies_at: str, how: str, plugin: bool = True) -> t
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        output, _ = process.communicate(timeout=150)
+        output, errors = process.communicate(timeout=150)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the run did not end after its worker died at {dies_at}:\n{output[-3000:]}")
-    return output, log.read_text().split()
+        output, errors = process.communicate()
+        pytest.fail(
+            f"the run did not end after its worker died at {dies_at}:\n{output[-3000:]}{errors[-3000:]}"
+        )
+    return output, errors, log.read_text().split()
 
 
 @pytest.mark.timeout(300)
@@ -108,17 +112,17 @@ def _run_suite(tmp_path: Path, dies_at: str, how: str, plugin: bool = True) -> t
 def test_a_run_whose_worker_dies_ends_and_runs_every_other_test_once(
     tmp_path: Path, dies_at: str, how: str
 ) -> None:
-    output, ran = _run_suite(tmp_path, dies_at, how)
+    output, errors, ran = _run_suite(tmp_path, dies_at, how)
     assert f"1 failed, {len(NAMES) - 1} passed" in output, output[-3000:]
     assert f"crashed while running 'test_suite.py::test_{dies_at.rstrip('0123456789')}" in output, output[
         -3000:
     ]
     assert sorted(ran) == sorted(NAMES), "each test must run exactly once, the dead one not again"
     if how == "hang":  # the stack of the hung test reached the output before its worker ended
-        assert "Timeout (0:00:03)!" in output and "in _ran" in output, output[-3000:]
+        assert "Timeout (0:00:03)!" in errors and "in _ran" in errors, errors[-3000:]
         assert "worker process exited with status 1;" in output, output[-3000:]
     elif how == "segfault":  # its stack too, though earlier tests pointed faulthandler at captured output
-        assert "Fatal Python error: Segmentation fault" in output and "in _ran" in output, output[-3000:]
+        assert "Fatal Python error: Segmentation fault" in errors and "in _ran" in errors, errors[-3000:]
         assert "worker process was killed by SIGSEGV;" in output, output[-3000:]
     else:
         assert "worker process was killed by SIGKILL (nothing can print" in output, output[-3000:]
