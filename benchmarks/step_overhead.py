@@ -11,7 +11,9 @@ work of its loop. Three sides train the same model, data and optimizer in this o
   accuracy every step, as the recipes' module does;
 * ``lightning``: the same Trainer with Lightning's default strategy (the model eager);
 * ``compiled_lightning_path`` (``--sides``): the compiled strategy with its fast step off (``fast_step=False``,
-  Lightning's own logging and closure), to show what the fast path saves.
+  Lightning's own logging and closure), to show what the fast path saves;
+* ``compile_step`` (``--sides``): the compiled strategy with ``compile_step=True``: forward, backward and the
+  SGD update traced as one graph (:mod:`lightning_plugin.compile.whole_step`).
 
 A step's time is read where the loader hands out its batches (a ``collate_fn`` that stamps the clock): the
 same point for every side, and no callback of ours in the step. The sides run in turn, ``--repeats`` times,
@@ -54,7 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import lightning_plugin  # noqa: E402
 from _common import machine_info, median, out_of_time, print_table, write_results  # noqa: E402
 
-SIDES = ("plain", "compiled", "lightning", "compiled_lightning_path")
+SIDES = ("plain", "compiled", "lightning", "compiled_lightning_path", "compile_step")
 BATCH = 4
 
 
@@ -136,7 +138,10 @@ def strategy_for(side: str, backend: str) -> Any:
         return "auto"
     # compile="always": with "auto" the tiny model would be measured and kept eager after a few steps.
     return lightning_plugin.CompiledStrategy(
-        compile="always", backend=backend, fast_step=side != "compiled_lightning_path"
+        compile="always",
+        backend=backend,
+        fast_step=side != "compiled_lightning_path",
+        compile_step=side == "compile_step",
     )
 
 

@@ -90,6 +90,13 @@ class CompileConfig:
             logged values, callback metrics and logger records for a fraction of the host time.
             ``False`` keeps Lightning's own path. On a Lightning version outside the tested range the
             strategy uses Lightning's path and says so once.
+        compile_step: trace each training step (``training_step``, backward, gradient clipping and the
+            optimizer update) into one graph instead of compiling the forward alone
+            (:mod:`lightning_plugin.compile.whole_step`): one call per step instead of Lightning's forward,
+            backward and optimizer calls. One device, automatic optimization, one SGD/Adam/AdamW optimizer,
+            32-bit or bf16-mixed precision; a fit it cannot capture falls back to the compiled forward and says
+            why. Validation then runs the eager forward. With ``compile="auto"`` the one-graph step is timed
+            against the eager step like the compiled forward is.
     """
 
     backend: str | Callable[..., Any] = "inductor"
@@ -106,6 +113,7 @@ class CompileConfig:
     compile: Literal["auto", "always", "never"] = "auto"
     tune_cpu: bool = True
     fast_step: bool = True
+    compile_step: bool = False
     _kernel_names: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _fallback_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -129,7 +137,15 @@ class CompileConfig:
             raise ValueError(
                 f"CompileConfig.mode={self.mode!r} needs backend='inductor', got {self.backend!r}"
             )
-        for name in ("fullgraph", "channels_last", "compile_eval", "regional", "tune_cpu", "fast_step"):
+        for name in (
+            "fullgraph",
+            "channels_last",
+            "compile_eval",
+            "regional",
+            "tune_cpu",
+            "fast_step",
+            "compile_step",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):

@@ -20,7 +20,8 @@ from lightning_plugin.compile.cache import cache_locations, load_compile_cache, 
 from lightning_plugin.compile.checkpoint_keys import align_to_module, strip_compile_prefix
 from lightning_plugin.compile.compiler import ModuleCompiler
 from lightning_plugin.compile.decision import CompileDecider, CompileDecision
-from lightning_plugin.compile.stats import CompileStats
+from lightning_plugin.compile.stats import CompileStats, make_backend
+from lightning_plugin.compile.whole_step import WholeStep, whole_step_unsupported
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
 from lightning_plugin.cpu.memory import retain_freed_memory
@@ -106,6 +107,8 @@ class CompiledStrategyMixin(_StrategyBase):
     """Compiles the LightningModule's forward in place; exposes what the compiler did."""
 
     _compiler: ModuleCompiler
+    #: Whether ``compile_step`` can replace the training step (one device; set by the single-device mixin).
+    _supports_whole_step = False
 
     def _init_compiler(self, config: CompileConfig) -> None:
         self._compiler = ModuleCompiler(config)
@@ -114,6 +117,8 @@ class CompiledStrategyMixin(_StrategyBase):
         self._frames_at_cache_save = 0
         self._lean_hooks_installed = False
         self._saved_world_size: int | None = None  # recorded by the checkpoint being resumed
+        self._whole_step: WholeStep | None = None  # compile_step: the one-graph training step of this fit
+        self._whole_step_pending = False
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -126,7 +131,7 @@ class CompiledStrategyMixin(_StrategyBase):
 
     @property
     def is_compiled(self) -> bool:
-        return self._compiler.is_compiled
+        return self._compiler.is_compiled or self._whole_step is not None
 
     @property
     def compile_decision(self) -> CompileDecision | None:
@@ -160,8 +165,21 @@ class CompiledStrategyMixin(_StrategyBase):
             self._begin_decision(module)
             return
         trainer = getattr(module, "_trainer", None)
-        if trainer is not None and trainer.state.fn != "fit" and not self._compiler.config.compile_eval:
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        if trainer is not None and not fitting and not self._compiler.config.compile_eval:
             return  # validate/test/predict run the eager forward (compile_eval=False): nothing to compile
+        if fitting and self._compiler.config.compile_step:
+            if self._supports_whole_step:
+                self._whole_step_pending = True  # decided in on_train_start, once the optimizers exist
+                return
+            rank_zero_warn(
+                f"{type(self).__name__}: compile_step needs the one-device compiled strategy; "
+                "compiling the forward alone"
+            )
+        self._compile_forward(module)
+
+    def _compile_forward(self, module: Any) -> None:
+        """Compile the forward (the strategy's usual path) and begin ``compile="auto"``'s measurement."""
         self._load_compile_cache(module)
         if self._compiler.compile(module, self.root_device, self._compile_targets(module)):
             self._begin_decision(module)
@@ -182,6 +200,57 @@ class CompiledStrategyMixin(_StrategyBase):
                     f"Inductor alone and keeps only the correct ones at least {MIN_SPEEDUP}x faster"
                 )
 
+    def _install_whole_step(self, module: Any) -> None:
+        """``compile_step``: one graph per training step (:mod:`lightning_plugin.compile.whole_step`), or, where
+        the fit cannot be captured, the compiled forward and one line saying why."""
+        self._whole_step_pending = False
+        trainer = module.trainer
+        self._compiler.stats.one_graph_steps = 0
+        self._compiler.stats.one_graph_fallback = None
+        reason = whole_step_unsupported(trainer, module, self._world_size)
+        if reason is not None:
+            self._whole_step_fell_back(reason)
+            return
+        config = self._compiler.config
+        self._load_compile_cache(module)
+        backend = make_backend(
+            config.backend,
+            config.mode,
+            config.options,
+            config.dynamic,
+            self._compiler.stats,
+            self.root_device,
+            config.tune_cpu,
+        )
+        self._whole_step = WholeStep(
+            backend,
+            self._compiler.stats,
+            config.dynamic,
+            use_graph=lambda: not self._compiler.eager_train,
+            after_step=self._decider.after_work,
+            on_fallback=self._whole_step_fell_back,
+        )
+        self._whole_step.install(trainer)
+        self._begin_decision(module)
+        rank_zero_info(
+            f"{type(self).__name__}: compiling each training step of {type(module).__name__} as one graph "
+            f"(forward, backward, optimizer update; backend={getattr(config.backend, '__name__', config.backend)!r})"
+        )
+
+    def _whole_step_fell_back(self, reason: str) -> None:
+        """The step stays in Lightning's pieces: say why once, then compile the forward alone."""
+        if self._whole_step is not None:
+            self._whole_step.remove()
+            self._whole_step = None
+        self._compiler.stats.one_graph_fallback = reason
+        rank_zero_warn(
+            f"{type(self).__name__}: compile_step: the training step stays in pieces: {reason}. "
+            "Compiling the forward alone."
+        )
+        module = self.lightning_module
+        if module is not None and not self._compiler.is_compiled:
+            self._compile_forward(module)
+
     @override
     def on_train_start(self) -> None:
         """On a CPU: the fused optimizer step (:mod:`lightning_plugin.cpu.fused_optimizer`) and one line on
@@ -189,6 +258,8 @@ class CompiledStrategyMixin(_StrategyBase):
         super().on_train_start()
         self._warn_plain_resume()
         module = self.lightning_module
+        if module is not None and self._whole_step_pending:
+            self._install_whole_step(module)
         if module is None or not self.compile_config.tunes_cpu(self.root_device):
             return
         fused = fuse_optimizer_steps(self.optimizers, module)
@@ -230,6 +301,10 @@ class CompiledStrategyMixin(_StrategyBase):
         if self._lean_hooks_installed:
             remove_lean_hook_calls(getattr(self.lightning_module, "_trainer", None))
             self._lean_hooks_installed = False
+        if self._whole_step is not None:
+            self._whole_step.remove()
+            self._whole_step = None
+        self._whole_step_pending = False
         remove_lean_log(self.lightning_module)
         remove_lean_progress_metrics(getattr(self.lightning_module, "_trainer", None))
         self._decider.end()

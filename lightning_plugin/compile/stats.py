@@ -73,6 +73,10 @@ class CompileStats:
     #: Median eager step time / median compiled step time that decided (above 1: compiled is faster).
     speedup: float | None = None
     decision_reason: str | None = None  # the decision in one line
+    #: ``compile_step``: training steps of this fit run as one graph (forward, backward, update), and why the
+    #: step was left in pieces when it was (kept across :meth:`start`: a fallback compiles the forward).
+    one_graph_steps: int = 0
+    one_graph_fallback: str | None = None
     _cache_counts_at_start: dict[str, int] = field(default_factory=dict, repr=False)
 
     def start(self, reused_frames: int = 0) -> None:

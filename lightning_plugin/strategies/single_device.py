@@ -33,6 +33,7 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin, _SingleDeviceStrategyBase
     """One device, ``forward`` compiled; combined with a ``SingleDeviceStrategy`` of either namespace."""
 
     strategy_name = "compiled"
+    _supports_whole_step = True
 
     @with_compile_settings()
     def __init__(

@@ -177,7 +177,6 @@ class ClassificationModule(pl.LightningModule):
         if hp.ema_decay is not None or hp.lookahead:
             self.ema = ModelEMA(model, decay=hp.ema_decay if hp.ema_decay is not None else 0.0)
         metric_kwargs: dict[str, Any] = {"num_classes": num_classes, "average": "micro"}
-        self.train_acc = MulticlassAccuracy(top_k=1, **metric_kwargs)
         for stage in ("val", "test"):
             setattr(self, f"{stage}_acc", MulticlassAccuracy(top_k=1, **metric_kwargs))
             if num_classes > 5:
@@ -269,9 +268,12 @@ class ClassificationModule(pl.LightningModule):
         logits = self(images)
         loss = self.loss(logits, targets)
         hard = targets.argmax(dim=1) if targets.is_floating_point() else targets
-        self.train_acc(logits.detach(), hard)
         self.log("train/loss", loss.detach(), prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        # The epoch's batch-size-weighted mean of batch accuracies is the micro accuracy a torchmetrics metric
+        # would compute (synced across processes at the epoch's end); a tensor keeps the step one graph
+        # (compile_step=True), where a Metric's Python update count would recompile it every step.
+        correct = (logits.detach().argmax(dim=1) == hard).float().mean()
+        self.log("train/acc", correct, on_step=False, on_epoch=True, sync_dist=True, batch_size=hard.shape[0])
         return loss
 
     @override
