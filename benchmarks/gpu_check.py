@@ -172,7 +172,15 @@ def steps() -> list[Step]:
         ),
         Step(
             "step_overhead",
-            ["benchmarks/step_overhead.py", "--steps", "300", "--repeats", "3"],
+            [
+                "benchmarks/step_overhead.py",
+                "--steps",
+                "300",
+                "--repeats",
+                "3",
+                "--sides",
+                "plain,compiled,compile_step,lightning",
+            ],
             90,
             None,
             dry_run_skip="not in the dry run: tests/benchmarks/test_step_overhead.py runs it with a few steps",

@@ -302,6 +302,10 @@ def _init_state(optimizer: Optimizer) -> None:
                 state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if on_cpu else p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif p.device.type != "cpu" and state["step"].device != p.device:
+                # The traced update runs Adam's capturable branch off the CPU, which wants its step counts on
+                # the parameters' device (a resumed state keeps them on the CPU); torch's own step reads either.
+                state["step"] = state["step"].to(p.device)
 
 
 def _train_step(

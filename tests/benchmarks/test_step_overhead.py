@@ -13,7 +13,7 @@ from script_loader import load_script
 def test_step_overhead_reports_every_side(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LCV_RESULTS_DIR", str(tmp_path))
     bench = load_script("benchmarks/step_overhead.py")
-    sides = ["plain", "compiled", "lightning", "compiled_lightning_path"]
+    sides = ["plain", "compiled", "lightning", "compiled_lightning_path", "compile_step"]
     payload = bench.main(
         ["--steps", "8", "--warmup", "2", "--repeats", "1", "--backend", "eager", "--progress-bar", "none"]
         + ["--sides", ",".join(sides), "--out", "step_overhead-test"]

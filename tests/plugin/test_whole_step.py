@@ -332,3 +332,36 @@ def test_the_recipes_module_trains_as_one_graph():
         eager.state_dict().items(), compiled.state_dict().values(), strict=True
     ):
         torch.testing.assert_close(value, reference, atol=bound(tol, reference), rtol=0, msg=name)
+
+
+def test_a_second_fit_reuses_the_graphs_and_a_resume_keeps_the_optimizer_state(tmp_path):
+    """Two fits with the same settings in one process, then a resume in a new Trainer from the first's checkpoint:
+    every step one graph, nothing compiled twice, and the resumed run equals an uninterrupted eager one."""
+    steps = 3
+    strategy = lightning_plugin.CompiledStrategy(backend="aot_eager", compile="always", compile_step=True)
+    torch.manual_seed(0)
+    module = StepNet("adamw", grad_hook=False)
+    trainer = _fit(module, strategy, steps, enable_checkpointing=True, default_root_dir=tmp_path)
+    assert strategy.compile_stats.graphs == 1 and strategy.compile_stats.one_graph_steps == steps
+    checkpoint = trainer.checkpoint_callback.best_model_path
+    again = lightning_plugin.CompiledStrategy(backend="aot_eager", compile="always", compile_step=True)
+    _fit(module, again, steps)  # the same module and settings: dynamo's cached graph serves it
+    assert again.compile_stats.graphs == 0 and again.compile_stats.one_graph_steps == steps
+
+    torch.manual_seed(0)
+    eager = StepNet("adamw", grad_hook=False)  # two epochs of the same 3 batches, uninterrupted
+    L.Trainer(**{**TRAINER_KWARGS, "max_epochs": 2}, strategy="auto").fit(eager, _loader(steps))
+    resumed = StepNet("adamw", grad_hook=False)
+    resumed_strategy = lightning_plugin.CompiledStrategy(
+        backend="aot_eager", compile="always", compile_step=True
+    )
+    resumed_trainer = L.Trainer(**{**TRAINER_KWARGS, "max_epochs": 2}, strategy=resumed_strategy)
+    resumed_trainer.fit(resumed, _loader(steps), ckpt_path=checkpoint)  # the second epoch, in a new Trainer
+    assert (
+        resumed_strategy.compile_stats.one_graph_steps == steps and resumed_trainer.global_step == 2 * steps
+    )
+    tol = trajectory_tolerance(torch.float32, network_length(eager, (BATCH, 3, 8, 8)), 2 * steps)
+    for (name, reference), value in zip(
+        eager.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(value, reference, atol=bound(tol, reference), rtol=0, msg=name)
