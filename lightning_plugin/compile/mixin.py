@@ -130,6 +130,11 @@ class CompiledStrategyMixin(_StrategyBase):
         return self._compiler.stats
 
     @property
+    def whole_step(self) -> WholeStep | None:
+        """``compile_step=True``: the one-graph training step while a fit runs it; None otherwise."""
+        return self._whole_step
+
+    @property
     def is_compiled(self) -> bool:
         return self._compiler.is_compiled or self._whole_step is not None
 

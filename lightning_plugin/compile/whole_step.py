@@ -40,6 +40,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core import LightningModule
 from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim import optimizer as optimizer_module
 from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
@@ -87,8 +88,8 @@ def whole_step_unsupported(trainer: Any, module: Any, world_size: int = 1) -> st
     callbacks = [
         f"{type(cb).__name__}.{hook}"
         for cb in getattr(trainer, "callbacks", [])
-        for hook in (*TRACED_HOOKS, "on_before_zero_grad")
-        if hook != "on_before_zero_grad" and _overrides(cb, Callback, hook)
+        for hook in TRACED_HOOKS
+        if _overrides(cb, Callback, hook)
     ]
     if callbacks:
         return f"a callback runs between backward and the update ({', '.join(callbacks)})"
@@ -117,8 +118,7 @@ def whole_step_unsupported(trainer: Any, module: Any, world_size: int = 1) -> st
 
 
 def _step_hooks(optimizer: Optimizer) -> bool:
-    from torch.optim import optimizer as optimizer_module
-
+    """Whether ``optimizer.step`` would run hooks (its own or the global ones) that the traced update skips."""
     own = getattr(optimizer, "_optimizer_step_pre_hooks", {}) or getattr(
         optimizer, "_optimizer_step_post_hooks", {}
     )
@@ -388,6 +388,13 @@ class WholeStep:
     def installed(self) -> bool:
         return self._loop is not None
 
+    @property
+    def host_scalars(self) -> tuple[torch.Tensor, ...]:
+        """The CPU scalars the graph takes each step (the learning rates). They stay on the CPU whatever the
+        device, and dynamo's guards read their values before each call (``not isnan(lr)``): a read of host
+        memory, not a wait for the device."""
+        return tuple(self._lrs)
+
     def install(self, trainer: Any) -> None:
         """Take over the fit's automatic-optimization step (an instance attribute shadowing ``run``)."""
         self._trainer = trainer
@@ -415,21 +422,24 @@ class WholeStep:
         if batch_idx % accumulate == 0:
             loop._on_before_zero_grad(optimizer)
             loop._optimizer_zero_grad(batch_idx, optimizer)
-        for lr, group in zip(self._lrs, optimizer.param_groups, strict=True):
+        lrs = []  # a tensor learning rate is used as it is; a number fills a CPU scalar (neither waits for a device)
+        for scalar, group in zip(self._lrs, optimizer.param_groups, strict=True):
             value = group["lr"]
-            lr.fill_(value.item() if isinstance(value, torch.Tensor) else value)
+            lrs.append(value if isinstance(value, torch.Tensor) else scalar.fill_(value))
         plan = self._plan(trainer, module, accumulate, update)
         if update:
             loop.optim_progress.optimizer.step.increment_ready()
         try:
-            output = self._call(module, optimizer, tuple(kwargs.values()), plan)
+            output = self._call(module, optimizer, tuple(kwargs.values()), plan, lrs)
         except torch._dynamo.exc.TorchDynamoException as err:
             if self._stats.one_graph_steps:
                 raise
             self._failed = True
-            if update:  # Lightning's step counts it again
-                loop.optim_progress.optimizer.step.total.ready -= 1
-                loop.optim_progress.optimizer.step.current.ready -= 1
+            progress = loop.optim_progress.optimizer  # Lightning's step below counts this batch again
+            if update:
+                _uncount(progress.step, "ready")
+            if batch_idx % accumulate == 0:
+                _uncount(progress.zero_grad, "ready", "started", "completed")
             self._on_fallback(_first_line(err))
             return type(loop).run(loop, optimizer, batch_idx, kwargs)
         self._stats.one_graph_steps += 1
@@ -465,7 +475,14 @@ class WholeStep:
             settings=_settings(trainer.optimizers[0]),
         )
 
-    def _call(self, module: Any, optimizer: Optimizer, args: tuple[Any, ...], plan: _StepPlan) -> Any:
+    def _call(
+        self,
+        module: Any,
+        optimizer: Optimizer,
+        args: tuple[Any, ...],
+        plan: _StepPlan,
+        lrs: list[torch.Tensor],
+    ) -> Any:
         recorder = self._recorder
         had_log = "log" in module.__dict__
         previous_log = module.__dict__.get("log")
@@ -474,7 +491,7 @@ class WholeStep:
             watch = self._stats.watch_frames()
             with torch.no_grad(), torch._dynamo.config.patch(trace_autograd_ops=True):
                 hook_optimizer = optimizer if "on_before_optimizer_step" in plan.hooks else None
-                output = self._compiled(module, hook_optimizer, self._groups, recorder, self._lrs, args, plan)
+                output = self._compiled(module, hook_optimizer, self._groups, recorder, lrs, args, plan)
             self._stats.collect_frames(watch)
         finally:
             if had_log:
@@ -496,6 +513,13 @@ class WholeStep:
         finally:
             module._current_fx_name = previous
             calls.clear()
+
+
+def _uncount(progress: Any, *fields: str) -> None:
+    """Take back one count of ``fields`` from a Lightning ``_Progress`` (its total and its current)."""
+    for tracker in (progress.total, progress.current):
+        for name in fields:
+            setattr(tracker, name, getattr(tracker, name) - 1)
 
 
 def _first_line(err: BaseException) -> str:

@@ -4,7 +4,8 @@ Every way a step could wait for the device is counted (``Tensor.item``, ``Tensor
 ``Tensor.tolist``, ``torch.cuda.synchronize``) from one batch's start to the next, so Lightning's own
 bookkeeping after ``on_train_batch_end`` is inside. On a CPU nothing waits, but the same calls would wait on a
 GPU. Counted for the recipes' module (airbench at tiny widths, its recipe's settings: lookahead, whitening,
-the accuracy Metric) and for a user module logging tensors with ``prog_bar=True``. The logging steps do sync
+the epoch accuracy) and for a user module logging tensors with ``prog_bar=True``, each with the forward
+compiled and with the whole step as one graph (``compile_step=True``). The logging steps do sync
 (TensorBoard is written as numbers): the counter sees them, and it sees the per-step sync of Lightning's own
 path (``fast_step=False``, whose progress-bar values are converted every step).
 """
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.xdist_group("test_host_syncs")
 
 STEPS, LOG_EVERY, WARM = 14, 5, 2
 SYNCS = ("item", "__bool__", "cpu", "tolist")
+trainer_stats: list = []  # each fit's compile stats (the one-graph cases check that no step fell back)
 
 
 class SyncCounter(L.Callback):
@@ -33,10 +35,14 @@ class SyncCounter(L.Callback):
         self.at_start: list[int] = []
         self.calls = 0
         self._saved: dict[str, object] = {}
+        #: compile_step's learning-rate scalars: CPU tensors on any device, read by dynamo's guards each step
+        #: without waiting for the device (``WholeStep.host_scalars``), so not counted
+        self.host_scalars: tuple[torch.Tensor, ...] = ()
 
     def _count(self, original):
         def counted(*args, **kwargs):
-            self.calls += 1
+            if not any(args[0] is t for t in self.host_scalars):
+                self.calls += 1
             return original(*args, **kwargs)
 
         return counted
@@ -57,6 +63,8 @@ class SyncCounter(L.Callback):
         self._saved.clear()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        whole_step = trainer.strategy.whole_step
+        self.host_scalars = whole_step.host_scalars if whole_step is not None else ()
         if batch_idx == WARM:
             self._patch()
         if batch_idx >= WARM:
@@ -110,7 +118,7 @@ def _recipe() -> tuple[L.LightningModule, DataLoader]:
     )
 
 
-def _syncs(make, fast: bool, root) -> dict[int, int]:
+def _syncs(make, fast: bool, root, compile_step: bool = False) -> dict[int, int]:
     torch.manual_seed(0)
     module, loader = make()
     counter = SyncCounter()
@@ -118,7 +126,9 @@ def _syncs(make, fast: bool, root) -> dict[int, int]:
         default_root_dir=root,
         accelerator="cpu",
         devices=1,
-        strategy=lightning_plugin.CompiledStrategy(backend="eager", compile="always", fast_step=fast),
+        strategy=lightning_plugin.CompiledStrategy(
+            backend="eager", compile="always", fast_step=fast, compile_step=compile_step
+        ),
         max_epochs=1,
         log_every_n_steps=LOG_EVERY,
         callbacks=[counter],
@@ -130,6 +140,7 @@ def _syncs(make, fast: bool, root) -> dict[int, int]:
         trainer.fit(module, loader)
     finally:
         counter.unpatch()
+    trainer_stats.append(trainer.strategy.compile_stats)
     return counter.per_step()
 
 
@@ -137,9 +148,12 @@ def _logging_steps() -> set[int]:
     return {i for i in range(STEPS) if (i + 1) % LOG_EVERY == 0} | {STEPS - 1}  # and the epoch's last batch
 
 
+@pytest.mark.parametrize("compile_step", [False, True], ids=["forward", "one_graph"])
 @pytest.mark.parametrize("make", [_recipe, _user], ids=["recipe_module", "user_module"])
-def test_no_sync_outside_the_logging_interval(make, tmp_path):
-    per_step = _syncs(make, fast=True, root=tmp_path)
+def test_no_sync_outside_the_logging_interval(make, compile_step, tmp_path):
+    per_step = _syncs(make, fast=True, root=tmp_path, compile_step=compile_step)
+    if compile_step:
+        assert trainer_stats[-1].one_graph_fallback is None and trainer_stats[-1].one_graph_steps == STEPS
     assert sorted(per_step) == list(range(WARM, STEPS))
     assert {i: n for i, n in per_step.items() if i not in _logging_steps()} == {}.fromkeys(
         set(per_step) - _logging_steps(), 0

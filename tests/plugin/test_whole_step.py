@@ -220,6 +220,8 @@ def test_a_step_that_cannot_be_one_graph_falls_back_with_one_line(module_class, 
     assert trainer.global_step == steps
     progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer
     assert progress.step.total.ready == progress.step.total.completed == steps
+    zero_grad = progress.zero_grad.total
+    assert zero_grad.ready == zero_grad.started == zero_grad.completed == steps
     tol = trajectory_tolerance(torch.float32, network_length(eager, (BATCH, 3, 8, 8)), steps)
     for (name, reference), value in zip(
         eager.state_dict().items(), module.state_dict().values(), strict=True
