@@ -4,11 +4,13 @@ Steady state: every side (``eager`` = Lightning's default strategy, ``compiled``
 strategy as users get it, ``untuned`` = the compiled strategy with ``tune_cpu=False``: stock Inductor
 settings, the LightningModule's own optimizer step; ``auto`` = the compiled strategy with ``compile="auto"``,
 which measures its own compiled and eager steps and keeps the faster: its decision and the ratio it measured
-are recorded, each fit measuring anew with an empty decision cache) trains the same workload in this process, one fit
-after another in turn, ``--repeats`` times; each fit's first ``--warmup`` steps are not timed and
-the median step time of the rest is kept, then the median over repeats. ``digits-small`` trains the
-recipe's own module and data (``lcv_vision.recipes.build``) for ``--epochs`` epochs and counts images
-per second after the first epoch, as ``lcv fit --recipe digits-small`` would.
+are recorded, each fit measuring anew with an empty decision cache; ``compile_step`` = the compiled strategy
+with ``compile_step=True``, forward, backward and the optimizer update as one graph per step) trains the
+same workload in this process, one fit after another in turn, ``--repeats`` times; each fit's first
+``--warmup`` steps are not timed and the median step time of the rest is kept, then the median over
+repeats. ``digits-small`` trains the recipe's own module and data (``lcv_vision.recipes.build``) for
+``--epochs`` epochs and counts images per second after the first epoch, as ``lcv fit --recipe digits-small``
+would.
 
 glibc's memory settings (:mod:`lightning_plugin.cpu.memory`) belong to the process, so they are made once
 before the first fit and every side runs with them, eager included: the ratios leave out what they save the
@@ -150,7 +152,7 @@ WORKLOADS: dict[str, Workload] = {
 }
 RECIPE_WORKLOAD = "digits-small"
 ALL_WORKLOADS = (*WORKLOADS, RECIPE_WORKLOAD)
-SIDES = ("eager", "compiled", "untuned", "auto")
+SIDES = ("eager", "compiled", "untuned", "auto", "compile_step")
 
 
 #: Where ``--compile-backend`` is kept, so that the fresh processes timing the first step inherit it.
@@ -166,6 +168,8 @@ def strategy_for(side: str) -> Any:
     backend = os.environ.get(BACKEND_ENV, "inductor")
     if side == "auto":
         return lightning_plugin.CompiledStrategy(backend=backend, compile="auto")
+    if side == "compile_step":
+        return lightning_plugin.CompiledStrategy(backend=backend, compile="always", compile_step=True)
     if backend != "inductor":
         return lightning_plugin.CompiledStrategy(backend=backend, compile="always")
     if side == "compiled":

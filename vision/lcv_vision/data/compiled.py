@@ -126,14 +126,22 @@ class CompiledOps:
         return _static_for_the_model(images), None if labels is None else _static_for_the_model(labels)
 
 
-#: What dynamo reads on a tensor to compile its dims as dynamic: our own marks (``mark_dynamic``) and the ones
-#: torch >= 2.14 stamps on every output of a dynamic-shape graph, for the next compiled graph to read.
+#: What dynamo reads on a tensor to compile its dims as dynamic: our own marks (``mark_dynamic`` sets the
+#: indices, ``_specialize_on`` and the ``_has_dynamo_dim_marking`` flag) and the ones torch >= 2.14 stamps on
+#: every output of a dynamic-shape graph, for the next compiled graph to read. All of them go: the flag left
+#: without the indices fails dynamo's guard check on the very graph compiled from the tensor.
 _DYNAMIC_MARKS = (
     "_dynamo_dynamic_indices",
     "_dynamo_dynamic_range",
     "_dynamo_hint_overrides",
     "_dynamo_weak_dynamic_indices",
     "_dynamo_propagated_dynamic_indices",
+    "_dynamo_unbacked_indices",
+    "_dynamo_strict_unbacked_indices",
+    "_dynamo_unbacked_bounds",
+    "_dynamo_shape_ids",
+    "_specialize_on",
+    "_has_dynamo_dim_marking",
 )
 
 
