@@ -20,7 +20,7 @@ from lightning_plugin.compile.cache import cache_locations, load_compile_cache, 
 from lightning_plugin.compile.checkpoint_keys import align_to_module, strip_compile_prefix
 from lightning_plugin.compile.compiler import ModuleCompiler
 from lightning_plugin.compile.decision import CompileDecider, CompileDecision
-from lightning_plugin.compile.stats import CompileStats, make_backend
+from lightning_plugin.compile.stats import CompileStats, CountingBackend, make_backend
 from lightning_plugin.compile.whole_step import WholeStep, whole_step_unsupported
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
@@ -118,6 +118,7 @@ class CompiledStrategyMixin(_StrategyBase):
         self._lean_hooks_installed = False
         self._saved_world_size: int | None = None  # recorded by the checkpoint being resumed
         self._whole_step: WholeStep | None = None  # compile_step: the one-graph training step of this fit
+        self._whole_step_backend: CountingBackend | None = None
         self._whole_step_pending = False
 
     @property
@@ -227,6 +228,7 @@ class CompiledStrategyMixin(_StrategyBase):
             self.root_device,
             config.tune_cpu,
         )
+        self._whole_step_backend = backend
         self._whole_step = WholeStep(
             backend,
             self._compiler.stats,
@@ -269,10 +271,19 @@ class CompiledStrategyMixin(_StrategyBase):
             return
         fused = fuse_optimizer_steps(self.optimizers, module)
         applied = []
-        if self._compiler.inductor_options.get("cpp_wrapper"):
+        whole_step = self._whole_step is not None
+        options = (
+            getattr(getattr(self._whole_step_backend, "inner", None), "config", None) or {}
+            if whole_step
+            else self._compiler.inductor_options
+        )
+        if options.get("cpp_wrapper"):
             applied.append("Inductor's C++ wrapper, no layout optimisation, CPU graph passes")
         if fused:
-            applied.append(f"fused {'/'.join(fused)} step (fused=True in the optimizer's settings)")
+            where = (
+                " for the steps run eagerly; the one-graph step updates in its graph" if whole_step else ""
+            )
+            applied.append(f"fused {'/'.join(fused)} step (fused=True in the optimizer's settings{where})")
         if retain_freed_memory():  # set at compile time; answers from its once-per-process result
             applied.append("glibc keeps freed memory")
         if applied:

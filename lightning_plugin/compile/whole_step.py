@@ -22,9 +22,10 @@ with the strategy's backend. What the step does is Lightning's, in Lightning's o
 What cannot be captured falls back, with one line saying why: before the fit (manual optimization, several
 optimizers, an optimizer other than SGD/Adam/AdamW, AMSGrad, 16-bit precision with a grad scaler, an
 overridden ``backward``/``optimizer_step``/``optimizer_zero_grad``/``configure_gradient_clipping``, a callback
-implementing a hook that runs between backward and the update, more than one process) and at the first step
-(anything dynamo cannot put in one graph, such as a ``torchmetrics`` update inside ``training_step``). The
-fallback is the strategy's usual compiled forward.
+implementing a hook that runs between backward and the update, more than one process), at the first step
+(a graph break: anything dynamo cannot put in one graph), and after the third step of a step that recompiles
+every time (a Python number read by the step that changes each step, such as a ``torchmetrics`` Metric's
+update count). The fallback is the strategy's usual compiled forward.
 
 Lightning's automatic-optimization loop is private API: the step is used only on the Lightning versions the
 lean logging was tested on (:data:`lightning_plugin.fast_step.TESTED_LIGHTNING`).
