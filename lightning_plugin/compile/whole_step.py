@@ -81,6 +81,10 @@ def whole_step_unsupported(trainer: Any, module: Any, world_size: int = 1) -> st
         return why
     if world_size != 1:
         return f"it runs on one device only (world size {world_size})"
+    if not isinstance(module, LightningModule):
+        return (
+            "the module is not a lightning.pytorch LightningModule (the standalone pytorch_lightning package)"
+        )
     if not getattr(module, "automatic_optimization", False):
         return "the LightningModule uses manual optimization"
     overridden = [name for name in UNSUPPORTED_MODULE_HOOKS if _overrides(module, LightningModule, name)]

@@ -114,6 +114,12 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin, _SingleDeviceStrategyBase
             description="'compiled', each repeated block compiled once",
             regional=True,
         )
+        strategy_registry.register(
+            "compiled_step",
+            cls,
+            description="'compiled' with compile_step=True: forward, backward and optimizer update as one graph",
+            compile_step=True,
+        )
 
 
 class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):

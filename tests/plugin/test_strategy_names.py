@@ -18,7 +18,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 from boring import TRAINER_KWARGS, LinearModule, TinyModule, make_loader, make_vector_loader
 from lightning_plugin import CompiledDDPStrategy, CompiledStrategy
 
-SINGLE_DEVICE_NAMES = ["compiled", "compiled_max_autotune", "compiled_reduce_overhead", "compiled_regional"]
+SINGLE_DEVICE_NAMES = [
+    "compiled",
+    "compiled_max_autotune",
+    "compiled_reduce_overhead",
+    "compiled_regional",
+    "compiled_step",
+]
 ONE_PROCESS_DDP_NAMES = [
     "compiled_ddp",
     "compiled_ddp_find_unused_parameters_true",
@@ -53,6 +59,8 @@ def test_name_fits_in_one_process(name, restores_process_state):
     stats = trainer.strategy.compile_stats
     assert stats.graphs + stats.reused_frames >= 1 and not stats.skipped_frames
     assert "forward" not in module.__dict__
+    if name == "compiled_step":  # each step one graph, not the compiled forward it falls back to
+        assert stats.one_graph_fallback is None and stats.one_graph_steps == 2
 
 
 @pytest.mark.slow
