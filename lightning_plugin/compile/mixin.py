@@ -25,6 +25,7 @@ from lightning_plugin.compile.whole_step import WholeStep, whole_step_unsupporte
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu.fused_optimizer import fuse_optimizer_steps
 from lightning_plugin.cpu.memory import retain_freed_memory
+from lightning_plugin.cpu.strided_pointwise_conv import restore_convs, subsample_strided_pointwise_convs
 from lightning_plugin.fast_step import (
     install_lean_hook_calls,
     install_lean_log,
@@ -120,6 +121,7 @@ class CompiledStrategyMixin(_StrategyBase):
         self._whole_step: WholeStep | None = None  # compile_step: the one-graph training step of this fit
         self._whole_step_backend: CountingBackend | None = None
         self._whole_step_pending = False
+        self._whole_step_convs: list[torch.nn.Conv2d] = []  # swapped for oneDNN#6035 while the step runs
 
     @property
     def compile_config(self) -> CompileConfig:
@@ -218,6 +220,8 @@ class CompiledStrategyMixin(_StrategyBase):
             self._whole_step_fell_back(reason)
             return
         config = self._compiler.config
+        if self.root_device.type == "cpu":  # oneDNN#6035, as the compiled forward does (docs/compiler.md)
+            self._whole_step_convs = subsample_strided_pointwise_convs(module)
         self._load_compile_cache(module)
         backend = make_backend(
             config.backend,
@@ -321,6 +325,8 @@ class CompiledStrategyMixin(_StrategyBase):
             self._whole_step.remove()
             self._whole_step = None
         self._whole_step_pending = False
+        restore_convs(self._whole_step_convs)
+        self._whole_step_convs = []
         remove_lean_log(self.lightning_module)
         remove_lean_progress_metrics(getattr(self.lightning_module, "_trainer", None))
         self._decider.end()

@@ -367,3 +367,36 @@ def test_a_second_fit_reuses_the_graphs_and_a_resume_keeps_the_optimizer_state(t
         eager.state_dict().items(), resumed.state_dict().values(), strict=True
     ):
         torch.testing.assert_close(value, reference, atol=bound(tol, reference), rtol=0, msg=name)
+
+
+class StridedPointwiseNet(L.LightningModule):
+    """A strided 1x1 convolution with 3 input channels: the case of oneDNN#6035 on AVX2 CPUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1, stride=2)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+        self.conv_class_seen: list[type] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.conv(x).flatten(1)), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.conv_class_seen.append(type(self.conv))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_the_one_graph_step_runs_strided_pointwise_convs_subsampled_on_a_cpu():
+    """As the compiled forward does on a CPU: the conv runs as a stride-1 conv of the subsampled input for the
+    fit (its class swapped, parameters kept) and is itself again afterwards."""
+    from lightning_plugin.cpu.strided_pointwise_conv import SubsampledPointwiseConv2d
+
+    module = StridedPointwiseNet()
+    strategy = lightning_plugin.CompiledStrategy(backend="aot_eager", compile="always", compile_step=True)
+    _fit(module, strategy, 2)
+    assert strategy.compile_stats.one_graph_steps == 2 and strategy.compile_stats.one_graph_fallback is None
+    assert module.conv_class_seen == [SubsampledPointwiseConv2d] * 2
+    assert type(module.conv) is nn.Conv2d
