@@ -125,7 +125,9 @@ class CompiledSingleDeviceMixin(CompiledStrategyMixin, _SingleDeviceStrategyBase
 class CompiledStrategy(CompiledSingleDeviceMixin, SingleDeviceStrategy):
     """Train on one device with ``torch.compile`` applied to the LightningModule's ``forward``.
 
-    ``training_step`` stays eager, so ``self.log`` works and the graphs have no breaks. The
+    ``training_step`` stays eager, so ``self.log`` works and the graphs have no breaks; with
+    ``compile_step=True`` (``strategy="compiled_step"``) the whole step, ``training_step``, backward and the
+    optimizer update, is traced as one graph instead (``lightning_plugin.compile.whole_step``). The
     device follows the Trainer's accelerator (unlike ``strategy="single_device"``, which
     defaults to the CPU, Lightning #18902). After ``fit``/``validate``/``test``/``predict``
     the module is restored to its uncompiled self.
