@@ -242,6 +242,27 @@ def test_bf16_package_on_an_amx_cpu_matches_fp32_within_bf16_rounding(
     assert (logits.argmax(1) == reference.argmax(1)).float().mean() >= 0.95
 
 
+def test_a_bf16_inference_model_leaves_the_callers_fp32_network_alone():
+    """Two inference models of one network (what ``benchmarks/inference.py`` builds on an AMX CPU): building
+    the bf16 one must not turn the network, and so the fp32 one, into bf16."""
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+    images = torch.randint(0, 256, (2, 3, 7, 9), dtype=torch.uint8)
+    fp32 = InferenceModel(network, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)).eval()
+    with torch.no_grad():
+        before = fp32(images)
+        bf16 = InferenceModel(network, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), torch.bfloat16).eval()
+        after = fp32(images)
+        low = bf16(images)
+    assert fp32.network is network  # fp32 of an fp32 network: no copy
+    assert all(
+        t.dtype == torch.float32 for t in (*network.parameters(), *network.buffers()) if t.is_floating_point()
+    )
+    assert torch.equal(before, after)
+    assert {p.dtype for p in bf16.network.parameters()} == {torch.bfloat16}
+    assert low.dtype == torch.float32 and not torch.equal(low, before)  # it really ran in bf16
+
+
 def test_a_bf16_package_is_refused_on_a_cpu_without_amx(fp32_package, monkeypatch):
     import dataclasses
 

@@ -7,6 +7,7 @@ host does no float work and cannot normalise with the wrong constants.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import tempfile
@@ -120,7 +121,10 @@ def _load_trained_file(path: Path, data_root: str | None) -> TrainedModel:
 
 
 class InferenceModel(nn.Module):
-    """uint8 ``[N, 3, H, W]`` -> float32 logits: convert, normalise, run the network in ``dtype``."""
+    """uint8 ``[N, 3, H, W]`` -> float32 logits: convert, normalise, run the network in ``dtype``.
+
+    A ``dtype`` other than the network's runs a copy: the caller's network keeps its weights and dtype (a
+    bf16 model built beside an fp32 one from the same network once turned both into bf16)."""
 
     offset: torch.Tensor  # mean * 255, (1, C, 1, 1)
     scale: torch.Tensor  # 1 / (std * 255)
@@ -133,7 +137,11 @@ class InferenceModel(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.network = network.to(dtype)
+        if any(
+            t.is_floating_point() and t.dtype != dtype for t in (*network.parameters(), *network.buffers())
+        ):
+            network = copy.deepcopy(network).to(dtype)  # ``Module.to`` converts in place: leave the caller's
+        self.network = network
         self.dtype = dtype
         self.register_buffer("offset", torch.tensor(mean).view(1, -1, 1, 1) * 255.0)
         self.register_buffer("scale", 1.0 / (torch.tensor(std).view(1, -1, 1, 1) * 255.0))
