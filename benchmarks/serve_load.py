@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
 import os
 import signal
@@ -38,11 +39,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_ZIP = ROOT.parent / "shared" / "data" / "cifar10-jpeg.zip"
 
 
-def jpegs(zip_path: str, count: int) -> list[bytes]:
+def jpegs(zip_path: str, count: int, size: tuple[int, int] | None = None) -> list[bytes]:
+    """``count`` test JPEGs spread over the classes; with ``size`` (width, height) each is upscaled (bicubic) and
+    re-encoded at quality 95, so a 224-px package gets bodies of a photo's size to decode and resize."""
     with zipfile.ZipFile(zip_path) as archive:
         names = sorted(n for n in archive.namelist() if n.startswith("test/") and n.endswith(".jpg"))
         step = max(1, len(names) // count)
-        return [archive.read(name) for name in names[::step][:count]]
+        bodies = [archive.read(name) for name in names[::step][:count]]
+    if size is None:
+        return bodies
+    from PIL import Image
+
+    resized = []
+    for body in bodies:
+        out = io.BytesIO()
+        Image.open(io.BytesIO(body)).convert("RGB").resize(size, Image.Resampling.BICUBIC).save(
+            out, "JPEG", quality=95
+        )
+        resized.append(out.getvalue())
+    return resized
 
 
 def start_server(package: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
@@ -149,12 +164,20 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--batch-timeout", type=float, default=0.01)
     parser.add_argument("--out-name", default="serve-cpu")
+    parser.add_argument(
+        "--upscale",
+        type=int,
+        nargs=2,
+        metavar=("WIDTH", "HEIGHT"),
+        default=None,
+        help="re-encode each JPEG at this size first (e.g. 320 256 for a 224-px package)",
+    )
     args = parser.parse_args()
 
     from lcv_vision.deploy import load_package
     from lcv_vision.deploy.images import decode_image
 
-    bodies = jpegs(args.zip_path, args.images)
+    bodies = jpegs(args.zip_path, args.images, tuple(args.upscale) if args.upscale else None)
     model = load_package(args.package)
     expected = [model.predict([decode_image(body)], top_k=5)[0].as_dict() for body in bodies]
     load_before = os.getloadavg()
@@ -177,7 +200,9 @@ def main() -> None:
                 "precision": info.precision,
                 "quantization": info.quantization,
             },
-            "images": f"{len(bodies)} CIFAR-10 test JPEGs from {os.path.basename(args.zip_path)}, raw bodies",
+            "images": f"{len(bodies)} CIFAR-10 test JPEGs from {os.path.basename(args.zip_path)}, raw bodies"
+            + (f", upscaled to {args.upscale[0]}x{args.upscale[1]} (quality 95)" if args.upscale else ""),
+            "mean_body_bytes": round(sum(map(len, bodies)) / len(bodies)),
             "max_batch_size": args.max_batch_size,
             "batch_timeout_s": args.batch_timeout,
             "rows": rows,
