@@ -7,10 +7,6 @@ import os
 # Two threads in a serial run; one per pytest-xdist worker (`make test` runs two), so two workers do not
 # oversubscribe a 2-core machine (OpenMP threads spin-wait at barriers).
 os.environ.setdefault("OMP_NUM_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2")
-# Inductor compiles in the test's own process: its default pool of compile subprocesses (one per core, each
-# importing torch) is started by every worker and by every test process that compiles, and on a machine the
-# two workers already keep busy it only adds imports. Set before torch is imported (its config reads it then).
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import logging
 
