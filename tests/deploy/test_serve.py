@@ -41,11 +41,9 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(fp32_package, tmp_path_factory):
-    """``lcv serve`` on a free port, in its own process group (LitServe starts worker processes)."""
-    pytest.importorskip("litserve")
-    folder = tmp_path_factory.mktemp("serve")
+def _start_server(package: Path, folder: Path) -> tuple[subprocess.Popen, str, io.TextIOWrapper]:
+    """``lcv serve`` on a free port, in its own process group (LitServe starts worker processes), with SIGINT
+    ignored at its start as ``lcv serve ... &`` in a script gets it; answers ``/health`` when returned."""
     port = _free_port()
     scratch = folder / "tmp"  # the server's temp folder: what a stop leaves there is checked
     scratch.mkdir()
@@ -54,7 +52,7 @@ def server(fp32_package, tmp_path_factory):
         "PYTHONPATH": os.pathsep.join(str(_REPOSITORY / p) for p in ("", "kernels", "vision")),
         "TMPDIR": str(scratch),
     }
-    command = [sys.executable, "-m", "lcv_vision.cli", "serve", str(fp32_package), "--port", str(port)]
+    command = [sys.executable, "-m", "lcv_vision.cli", "serve", str(package), "--port", str(port)]
     command += [
         "--max-batch-size",
         "4",
@@ -65,7 +63,13 @@ def server(fp32_package, tmp_path_factory):
     ]
     log = open(folder / "server.log", "w")
     process = subprocess.Popen(
-        command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        cwd=folder,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -78,7 +82,29 @@ def server(fp32_package, tmp_path_factory):
         except OSError:
             time.sleep(0.5)
     else:
+        os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("the server did not answer /health in 180 s")
+    return process, url, log
+
+
+def _assert_a_clean_stop(folder: Path) -> None:
+    said = (folder / "server.log").read_text()
+    assert "Traceback" not in said, said[-3000:]  # a stop is not an error: no worker prints a trace
+    # the folder AOTInductor unpacked the package into (the worker is stopped with SIGTERM) is gone
+    left = [
+        p.name
+        for p in (folder / "tmp").rglob("*")
+        if p.name.startswith(("aotinductor_", "lcv-serve-worker-"))
+    ]
+    assert not left, left
+
+
+@pytest.fixture(scope="module")
+def server(fp32_package, tmp_path_factory):
+    """The server the request tests share; stopped at the end as Ctrl-C does (SIGINT to the whole group)."""
+    pytest.importorskip("litserve")
+    folder = tmp_path_factory.mktemp("serve")
+    process, url, log = _start_server(fp32_package, folder)
     yield url, folder, process.pid
     _interrupt_children_first(process.pid)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in the user's terminal sends
@@ -91,11 +117,34 @@ def server(fp32_package, tmp_path_factory):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
-    said = (folder / "server.log").read_text()
-    assert "Traceback" not in said, said[-3000:]  # a stop is not an error: no worker prints a trace
-    # the folder AOTInductor unpacked the package into (the worker is stopped with SIGTERM) is gone
-    left = [p.name for p in scratch.rglob("*") if p.name.startswith(("aotinductor_", "lcv-serve-worker-"))]
-    assert not left, left
+    _assert_a_clean_stop(folder)
+
+
+def test_sigterm_to_the_server_process_stops_every_process_it_started(fp32_package, tmp_path):
+    """``docker stop`` / ``systemctl stop``: SIGTERM to the server process alone. Its default action ended that
+    process and left the HTTP process and the worker serving the port; now it is the graceful stop."""
+    pytest.importorskip("litserve")
+    process, url, log = _start_server(fp32_package, tmp_path)
+    group = process.pid
+    try:
+        assert _workers(group)  # a worker to be stopped
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            _dump_stacks_and_kill(group, tmp_path / "server.log")
+            pytest.fail("lcv serve did not stop on SIGTERM; its log and stacks:\n" + _log_tail(tmp_path))
+        deadline = time.monotonic() + 30  # its children are reaped by then (or reparented: then they run on)
+        while any(state != "Z" for state in _group_children(group).values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not {p: s for p, s in _group_children(group).items() if s != "Z"}, "processes left running"
+        with pytest.raises(OSError):  # nobody answers on the port any more
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        log.close()
+    _assert_a_clean_stop(tmp_path)
 
 
 #: The bottom frame of the main thread of the server process and of an inference worker: faulthandler dumps the

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -24,7 +27,7 @@ from lcv_vision.deploy.host_transform import HostTransform
 from lcv_vision.deploy.images import DEFAULT_MAX_BYTES, decode_image
 from lcv_vision.deploy.package import PackageInfo, load_package, read_metadata
 
-__all__ = ["API_PATH", "ImageIntake", "build_server", "serve"]
+__all__ = ["API_PATH", "ImageIntake", "build_server", "serve", "stop_on_sigint_and_sigterm"]
 
 API_PATH = "/predict"
 
@@ -162,6 +165,29 @@ def build_server(
     return server
 
 
+def stop_on_sigint_and_sigterm() -> None:
+    """SIGINT and SIGTERM to this process both start LitServe's graceful stop (it catches
+    ``KeyboardInterrupt``).
+
+    Why both, set here: ``docker stop`` and process managers send SIGTERM, whose default action ends this
+    process at once and leaves its HTTP process and inference workers running, holding the port. And a
+    process started in the background by a non-interactive shell (``lcv serve ... &``) begins with SIGINT
+    ignored, where Python installs no ``KeyboardInterrupt`` handler: ``kill -INT`` then stopped only the
+    children (uvicorn sets its own handlers) and this process waited for ever. A child forked later (LitServe's
+    manager) keeps SIGTERM's default action."""
+    server_pid = os.getpid()
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and os.getpid() != server_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
+
+
 def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
     """Build the server and run it until interrupted; binds ``host`` only (127.0.0.1 unless told).
 
@@ -171,6 +197,7 @@ def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **opti
     from lcv_vision.deploy.serve_api import print_stacks_on_usr1  # build_server checked the litserve extra
 
     print_stacks_on_usr1()
+    stop_on_sigint_and_sigterm()
     try:
         server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
     except KeyboardInterrupt:  # Ctrl-C / SIGINT is how a server is stopped, not an error
