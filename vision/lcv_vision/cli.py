@@ -86,6 +86,8 @@ _NOT_SHOWN = (
 
 #: model options that decide the architecture: a checkpoint's weights only fit its own values.
 _ARCHITECTURE_OPTIONS = ("model", "model_kwargs")
+_RUN_LOGGER = "lcv_vision.run_logs.RunLogger"
+_RUNS_FOLDER = "runs"  # relative to --trainer.default_root_dir, else to the working folder
 #: recipe model options that belong to the recipe's own architecture, with the module's defaults: a
 #: ``--model.model`` of another architecture starts from these unless they are given too.
 _OWN_ARCHITECTURE_DEFAULTS: dict[str, Any] = {
@@ -168,8 +170,8 @@ class LcvCLI(LightningCLI):
         flat.update({f"data.{k}": v for k, v in defaults["data"].items()})
         flat.update({f"trainer.{k}": v for k, v in defaults["trainer"].items()})
         flat["trainer.logger"] = {
-            "class_path": "lcv_vision.run_logs.RunLogger",
-            "init_args": {"save_dir": "runs", "name": self.recipe.name},
+            "class_path": _RUN_LOGGER,
+            "init_args": {"save_dir": _RUNS_FOLDER, "name": self.recipe.name},
         }
         flat["trainer.callbacks"] = [
             {
@@ -260,6 +262,7 @@ class LcvCLI(LightningCLI):
         if self.subcommand == "fit":
             _check_run_length(config["trainer"])
         _drop_disabled_callbacks(config["trainer"])
+        _runs_under_root_dir(config["trainer"])
 
     @override
     def instantiate_classes(self) -> None:
@@ -436,6 +439,19 @@ def _drop_disabled_callbacks(trainer: Any) -> None:
         if trainer.get(flag) is False:
             callbacks = [c for c in callbacks if str(c.get("class_path", "")).rsplit(".", 1)[-1] not in names]
     trainer["callbacks"] = callbacks
+
+
+def _runs_under_root_dir(trainer: Any) -> None:
+    """``--trainer.default_root_dir DIR`` puts the run folder (logs, config, checkpoints) in ``DIR/runs``, as
+    Lightning's own logger would follow it, instead of ``runs/`` in the working folder. A ``save_dir`` the user
+    set themselves stands."""
+    root = trainer.get("default_root_dir")
+    logger = trainer.get("logger")
+    if not root or not hasattr(logger, "get") or logger.get("class_path") != _RUN_LOGGER:
+        return
+    init_args = logger.get("init_args")
+    if init_args is not None and init_args.get("save_dir") == _RUNS_FOLDER:
+        init_args["save_dir"] = str(Path(root) / _RUNS_FOLDER)
 
 
 def _check_data(recipe: Recipe, data: Any) -> None:
