@@ -92,7 +92,11 @@ class HostTransform:
         for name, args in self.ops:
             op = _OPS[name](*_op_args(name, args))
             params = op.sample(1, batch.shape[-2], batch.shape[-1], torch.Generator().manual_seed(0))
-            batch = op.apply(batch, params)
+            if isinstance(op, CenterCrop):  # one image's window: a view, where the batch op gathers (~1 ms)
+                top, left = int(params["top"][0]), int(params["left"][0])
+                batch = batch[..., top : top + op.size[0], left : left + op.size[1]]
+            else:
+                batch = op.apply(batch, params)
         if batch.is_floating_point():  # a fractional resample (ResizeCenterCrop): the package takes uint8
             batch = batch.round().clamp(0, 255).to(torch.uint8)
         if tuple(batch.shape[-2:]) != self.size:
@@ -107,5 +111,8 @@ def _op_args(name: str, args: Sequence[int]) -> tuple[Any, ...]:
 
 
 def _rgb_tensor(image: Image.Image) -> torch.Tensor:
+    """``(3, H, W)`` over the decoder's interleaved pixels (channels-last strides, no planar copy): the
+    antialiased uint8 resize of ``fit_to_square`` runs about twice as fast on that layout, with equal
+    results."""
     rgb = image if image.mode == "RGB" else image.convert("RGB")
-    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
