@@ -109,20 +109,9 @@ def machine_info() -> dict[str, Any]:
 def _cpu_facts() -> dict[str, Any]:
     """The CPU's name and the instruction set its kernels use (oneDNN's int8 and bf16 speed hang on AMX/VNNI),
     so a CPU result says which kind of machine made it."""
-    name = None
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            name = next(
-                (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None
-            )
-    except OSError:  # not Linux
-        pass
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return {
-        "cpu": name or platform.processor() or None,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "amx": bool(amx()) if amx is not None else None,
-    }
+    from lcv_kernels.hardware import amx_supported, cpu_capability, cpu_name
+
+    return {"cpu": cpu_name(), "cpu_capability": cpu_capability(), "amx": amx_supported()}
 
 
 def median(values: list[float]) -> float:

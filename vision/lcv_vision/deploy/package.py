@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from lcv_kernels.hardware import amx_supported, cpu_capability
 from lcv_vision.deploy.errors import DeployError, IncompatiblePackageError
 from lcv_vision.deploy.host_transform import HostTransform
 
@@ -23,6 +24,7 @@ __all__ = [
     "METADATA_KEY",
     "DeployedModel",
     "PackageInfo",
+    "amx_supported",
     "check_compatible",
     "cpu_capability",
     "load_package",
@@ -33,17 +35,6 @@ METADATA_KEY = "lcv.info"
 
 #: ATen's CPU capabilities, each a superset of the one before (x86).
 _X86_LEVELS = ("DEFAULT", "AVX2", "AVX512")
-
-
-def cpu_capability() -> str:
-    """The instruction set ATen (and Inductor's generated code) uses on this CPU: ``AVX512``, ``AVX2`` ..."""
-    return str(torch.backends.cpu.get_cpu_capability())
-
-
-def amx_supported() -> bool:
-    """Whether this CPU has AMX tiles (bf16 matrix units): where bf16 inference is fast on the CPU."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
 
 
 @dataclasses.dataclass(frozen=True)
