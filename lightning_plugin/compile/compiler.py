@@ -27,7 +27,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 from lightning_plugin.compile import dynamo_cache
-from lightning_plugin.compile.stats import CompileStats, FrameRecord, make_backend
+from lightning_plugin.compile.stats import CompileStats, CountingBackend, FrameRecord, make_backend
 from lightning_plugin.config import CompileConfig
 from lightning_plugin.cpu import graph_passes as cpu_graph_passes
 from lightning_plugin.cpu import inductor as cpu_inductor
@@ -63,7 +63,7 @@ class ModuleCompiler:
         self._subsampled_convs: list[nn.Conv2d] = []  # see lightning_plugin.cpu.strided_pointwise_conv
         self._selection: Any = None  # an AutoKernelSelection with kernels="auto"
         self._targets: list[nn.Module] = []
-        self._backend: Callable[..., Any] | None = None
+        self._backend: CountingBackend | None = None
         self._use_eager = False  # compiling failed: eager for the rest of the run
         #: Run the eager forward in training / evaluation mode (set by ``compile="auto"``'s measurement and
         #: decision, see :mod:`lightning_plugin.compile.decision`); nothing is traced while they are set.
@@ -87,8 +87,7 @@ class ModuleCompiler:
     @property
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor options of the compiled forward (the CPU tuning's too); empty before compiling."""
-        inner = getattr(self._backend, "inner", None)
-        return dict(getattr(inner, "config", None) or {})
+        return self._backend.inductor_options if self._backend is not None else {}
 
     @property
     def graph_passes(self) -> str | None:

@@ -277,8 +277,8 @@ class CompiledStrategyMixin(_StrategyBase):
         applied = []
         whole_step = self._whole_step is not None
         options = (
-            getattr(getattr(self._whole_step_backend, "inner", None), "config", None) or {}
-            if whole_step
+            self._whole_step_backend.inductor_options
+            if whole_step and self._whole_step_backend is not None
             else self._compiler.inductor_options
         )
         if options.get("cpp_wrapper"):

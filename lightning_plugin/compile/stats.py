@@ -268,6 +268,11 @@ class CountingBackend:
         )
         return compiled
 
+    @property
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor options the inner backend compiles with (the CPU tuning's too); empty for others."""
+        return dict(getattr(self.inner, "config", None) or {})
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CountingBackend) and self.inner == other.inner
 
