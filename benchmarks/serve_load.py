@@ -173,6 +173,10 @@ def main() -> None:
         help="re-encode each JPEG at this size first (e.g. 320 256 for a 224-px package)",
     )
     args = parser.parse_args()
+    if args.upscale and min(args.upscale) < 1:
+        parser.error(f"--upscale needs a positive width and height; got {args.upscale[0]} {args.upscale[1]}")
+    if args.images < 1 or args.requests < 1 or min(args.clients) < 1 or args.max_batch_size < 1:
+        parser.error("--images, --requests, --clients and --max-batch-size must be >= 1")
 
     from lcv_vision.deploy import load_package
     from lcv_vision.deploy.images import decode_image
