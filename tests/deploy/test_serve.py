@@ -127,7 +127,10 @@ def test_sigterm_to_the_server_process_stops_every_process_it_started(fp32_packa
     process, url, log = _start_server(fp32_package, tmp_path)
     group = process.pid
     try:
-        assert _workers(group)  # a worker to be stopped
+        workers = _workers(group)
+        assert workers  # a worker to be stopped
+        for worker in workers:  # its OpenMP threads sleep between batches (build_server sets it for them)
+            assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=120)
@@ -357,6 +360,18 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def test_a_users_omp_wait_policy_stands(fp32_package, monkeypatch):
+    pytest.importorskip("litserve")
+    from lcv_vision.deploy.serve import WAIT_POLICY_ENV, build_server
+
+    monkeypatch.setenv(WAIT_POLICY_ENV, "ACTIVE")
+    build_server(fp32_package)
+    assert os.environ[WAIT_POLICY_ENV] == "ACTIVE"
+    monkeypatch.delenv(WAIT_POLICY_ENV)
+    build_server(fp32_package)
+    assert os.environ[WAIT_POLICY_ENV] == "PASSIVE"
 
 
 def test_a_stop_lets_the_worker_monitor_finish_before_the_manager_goes(fp32_package):
