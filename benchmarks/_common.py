@@ -22,6 +22,10 @@ from typing import Any
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: The real CIFAR-10 JPEGs beside the repository (``../shared/data``), the default data of the CPU benchmarks.
+SHARED_ZIP = os.path.normpath(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "cifar10-jpeg.zip")
+)
 #: Environment variables set by gpu_check.py for the benchmarks it runs.
 DEADLINE_ENV = "LCV_DEADLINE"
 STREAM_ENV = "LCV_RESULTS_JSONL"

@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import print_table, write_results  # noqa: E402
+from _common import SHARED_ZIP, print_table, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_ZIP = ROOT.parent / "shared" / "data" / "cifar10-jpeg.zip"
 
 
 def jpegs(zip_path: str, count: int, size: tuple[int, int] | None = None) -> list[bytes]:
