@@ -106,7 +106,6 @@ def server(fp32_package, tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     process, url, log = _start_server(fp32_package, folder)
     yield url, folder, process.pid
-    _interrupt_children_first(process.pid)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in the user's terminal sends
     try:
         process.wait(timeout=120)  # LitServe's own waits are bounded (SHUTDOWN_GRACE_S, then kills)
@@ -207,21 +206,6 @@ def _group_children(group: int) -> dict[int, str]:
         except (ProcessLookupError, FileNotFoundError):
             continue
     return found
-
-
-def _interrupt_children_first(group: int) -> None:
-    """Ctrl-C reaches every process of the group at once, and a loaded machine may run a child's own handling
-    before the server process stops it. Here that order is forced: the children get SIGINT first, and the server
-    process only once one of them (uvicorn's) has exited, so its way of exiting shows in the log every time."""
-    children = _group_children(group)
-    for pid in children:
-        os.kill(pid, signal.SIGINT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        states = _group_children(group)
-        if any(states.get(pid, "Z") == "Z" for pid in children):
-            return
-        time.sleep(0.05)
 
 
 def post(url: str, body: bytes, content_type: str = "application/octet-stream") -> tuple[int, dict]:

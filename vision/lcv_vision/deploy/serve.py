@@ -207,6 +207,13 @@ def serve(package: str | Path, host: str = "127.0.0.1", port: int = 8000, **opti
     print_stacks_on_usr1()
     stop_on_sigint_and_sigterm()
     try:
-        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
+        server.run(
+            host=host,
+            port=port,
+            generate_client_file=False,
+            num_api_servers=1,
+            log_level="warning",
+            api_server_worker_type="thread",  # see ClassifierServer: one process fewer on the cores
+        )
     except KeyboardInterrupt:  # Ctrl-C / SIGINT is how a server is stopped, not an error
         pass

@@ -104,29 +104,49 @@ class ClassifierAPI(ls.LitAPI):
 
 
 class ClassifierServer(ls.LitServer):
-    """A ``LitServer`` whose Ctrl-C stop prints no trace, however the processes' stops interleave.
+    """A ``LitServer`` whose HTTP server is a thread of the server process, stopped by that process, and whose
+    stop prints no trace.
+
+    Why a thread (``run(api_server_worker_type="thread")``, see :func:`lcv_vision.deploy.serve.serve`): one
+    process fewer on the cores the model worker needs. At 224 px with 8 clients on 2 cores it served 135
+    requests/s at p99 83-89 ms against 112-116 at 103-107 ms from a forked HTTP process (docs/deploy.md).
+    LitServe 0.2 stops its HTTP workers with ``terminate()``, which a thread does not have: it logged an error
+    and the thread kept the process alive. Here the uvicorn server is told to exit and joined.
 
     LitServe's monitor thread checks a shutdown event held by its ``multiprocessing`` manager every two
     seconds. On Ctrl-C LitServe shuts the manager down with that event unset, so a monitor that wakes before
     the process exits calls into a closed pipe and logs "Monitoring worker crashed" with a ``BrokenPipeError``
-    trace (seen on a loaded machine). Here the monitor is let finish first. The HTTP process is started so
-    that Ctrl-C does not make it print a ``KeyboardInterrupt`` trace if it stops before it is terminated.
+    trace (seen on a loaded machine). Here the monitor is let finish first. (These overrides use LitServe 0.2
+    internals, hence the <0.3 bound in pyproject.toml.)
     """
 
     def _start_server(self, *args: Any, **kwargs: Any) -> Any:
-        # Ctrl-C reaches the whole process group, and this process stops the HTTP processes itself (SIGTERM,
-        # then SIGKILL). Forked with SIGINT ignored, uvicorn still shuts down on Ctrl-C, but asyncio installs
-        # no Ctrl-C handler, and the SIGINT uvicorn re-raises once it has shut down is ignored, not a trace.
-        # (These overrides use LitServe 0.2 internals, hence the <0.3 bound in pyproject.toml.)
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            return super()._start_server(*args, **kwargs)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        workers = super()._start_server(*args, **kwargs)
+        # A thread's target is its uvicorn server's bound ``run``: the object whose ``should_exit`` stops it.
+        self._http_threads = {
+            thread: getattr(getattr(thread, "_target", None), "__self__", None)
+            for thread in workers.values()
+            if isinstance(thread, threading.Thread)
+        }
+        return workers
+
+    def _stop_http_threads(self) -> None:
+        """uvicorn's own graceful exit: stop accepting, let open requests finish (``uvicorn_graceful_timeout``)."""
+        threads = getattr(self, "_http_threads", {})
+        for server in threads.values():
+            if server is not None:
+                server.should_exit = True
+        for thread, server in threads.items():
+            thread.join(timeout=self.uvicorn_graceful_timeout + 2)
+            if thread.is_alive() and server is not None:
+                server.force_exit = True  # open connections did not close in time: end without waiting
+                thread.join(timeout=5)
 
     def _perform_graceful_shutdown(
         self, manager: Any, uvicorn_workers: Any, shutdown_reason: str = "normal"
     ) -> None:
+        self._stop_http_threads()
+        processes = {k: w for k, w in dict(uvicorn_workers).items() if not isinstance(w, threading.Thread)}
         # The monitor reads ``self._shutdown_event`` afresh each round, so a local event that is already set
         # ends it without a call to the manager. (Setting the manager's event from here can deadlock: Ctrl-C
         # interrupted this thread inside that event's ``wait()``, and the manager still serves that call on
@@ -137,4 +157,4 @@ class ClassifierServer(ls.LitServer):
         for thread in threading.enumerate():
             if thread.name == WORKER_MONITOR_THREAD and thread is not threading.current_thread():
                 thread.join(timeout=self.monitor_internal + 5)  # it sleeps monitor_internal s between rounds
-        super()._perform_graceful_shutdown(manager, uvicorn_workers, shutdown_reason)
+        super()._perform_graceful_shutdown(manager, processes, shutdown_reason)
