@@ -145,8 +145,8 @@ def build_server(
 
     Sets ``OMP_WAIT_POLICY=PASSIVE`` in this process's environment unless it is set, for the model workers the
     server spawns: their OpenMP threads then sleep between batches instead of spinning on the cores the HTTP
-    process decodes on (224-px int8 ResNet-18, 8 clients on 2 cores: 116 req/s against 105, p99 103 ms against
-    115-128; docs/deploy.md)."""
+    server decodes on (224-px int8 ResNet-18, 8 clients on 2 cores, alternating runs: +3.5-6.4% requests/s;
+    docs/deploy.md)."""
     os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
     import_extra("litserve", "serve", "lcv serve")
     import_extra("multipart", "serve", "lcv serve (multipart uploads)")

@@ -108,10 +108,10 @@ class ClassifierServer(ls.LitServer):
     stop prints no trace.
 
     Why a thread (``run(api_server_worker_type="thread")``, see :func:`lcv_vision.deploy.serve.serve`): one
-    process fewer on the cores the model worker needs. At 224 px with 8 clients on 2 cores it served 135
-    requests/s at p99 83-89 ms against 112-116 at 103-107 ms from a forked HTTP process (docs/deploy.md).
-    LitServe 0.2 stops its HTTP workers with ``terminate()``, which a thread does not have: it logged an error
-    and the thread kept the process alive. Here the uvicorn server is told to exit and joined.
+    process fewer beside the model worker, and a stop of a few seconds; requests/s were the same as with a
+    forked HTTP process within this machine's noise (4 alternating pairs, docs/deploy.md). LitServe 0.2 stops
+    its HTTP workers with ``terminate()``, which a thread does not have: it logged an error and the thread kept
+    the process alive. Here the uvicorn server is told to exit and joined.
 
     LitServe's monitor thread checks a shutdown event held by its ``multiprocessing`` manager every two
     seconds. On Ctrl-C LitServe shuts the manager down with that event unset, so a monitor that wakes before
