@@ -178,11 +178,13 @@ def stop_on_sigint_and_sigterm() -> None:
     ``KeyboardInterrupt``).
 
     Why both, set here: ``docker stop`` and process managers send SIGTERM, whose default action ends this
-    process at once and leaves its HTTP process and inference workers running, holding the port. And a
-    process started in the background by a non-interactive shell (``lcv serve ... &``) begins with SIGINT
-    ignored, where Python installs no ``KeyboardInterrupt`` handler: ``kill -INT`` then stopped only the
-    children (uvicorn sets its own handlers) and this process waited for ever. A child forked later (LitServe's
-    manager) keeps SIGTERM's default action."""
+    process at once and leaves its model workers and LitServe's manager running (with a forked HTTP process,
+    that process too, holding the port). And a process started in the background by a non-interactive shell
+    (``lcv serve ... &``) begins with SIGINT ignored, where Python installs no ``KeyboardInterrupt`` handler:
+    ``kill -INT`` then never reached LitServe's stop (a forked HTTP process, with uvicorn's own handlers, did
+    stop, and this process waited for ever). The HTTP server runs in a thread of this process, where uvicorn
+    installs no handlers, so these are the server's only ones. A child forked later (LitServe's manager) keeps
+    SIGTERM's default action."""
     server_pid = os.getpid()
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
