@@ -121,7 +121,8 @@ def server(fp32_package, tmp_path_factory):
 
 def test_sigterm_to_the_server_process_stops_every_process_it_started(fp32_package, tmp_path):
     """``docker stop`` / ``systemctl stop``: SIGTERM to the server process alone. Its default action ended that
-    process and left the HTTP process and the worker serving the port; now it is the graceful stop."""
+    process and left the model worker and LitServe's manager running (and, when the HTTP server was a forked
+    process, that process serving the port); now it is the graceful stop."""
     pytest.importorskip("litserve")
     process, url, log = _start_server(fp32_package, tmp_path)
     group = process.pid
