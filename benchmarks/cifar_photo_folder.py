@@ -1,7 +1,7 @@
 """A small photo folder (``train/<class>/*.jpg``, ``val/<class>/*.jpg``) cut from the CIFAR-10 JPEG zip: what the
 224-px serving and inference checks train their ``imagefolder-*`` package on.
 
-    python benchmarks/photo_folder.py --out /tmp/photos                 # 16 train + 4 val JPEGs per class
+    python benchmarks/cifar_photo_folder.py --out /tmp/photos                 # 16 train + 4 val JPEGs per class
     lcv fit --recipe imagefolder-resnet50 --model.model resnet18 --data.root /tmp/photos --trainer.max_epochs 1
     lcv export runs/imagefolder-resnet50/version_0/checkpoints/last.ckpt --out r18-224-int8.pt2 --quantize int8
     python benchmarks/serve_load.py r18-224-int8.pt2 --upscale 320 256 --out-name serve-cpu-224
@@ -26,7 +26,7 @@ from _common import SHARED_ZIP  # noqa: E402
 SPLITS = {"train": "train", "val": "test"}  # folder written <- split read from the zip
 
 
-def write_photo_folder(zip_path: str, out: Path, per_class: dict[str, int]) -> dict[str, int]:
+def write_cifar_photo_folder(zip_path: str, out: Path, per_class: dict[str, int]) -> dict[str, int]:
     """Copy ``per_class[split]`` JPEGs of each class into ``out/split/<class>/``; the count written per split."""
     written = {}
     with zipfile.ZipFile(zip_path) as archive:
@@ -62,7 +62,7 @@ def main() -> None:
         parser.error(f"--out {args.out} is not empty: give a new folder")
     if not Path(args.zip_path).is_file():
         parser.error(f"--zip-path {args.zip_path} does not exist")
-    written = write_photo_folder(
+    written = write_cifar_photo_folder(
         args.zip_path, args.out, {"train": args.train_per_class, "val": args.val_per_class}
     )
     print(f"wrote {written['train']} training and {written['val']} validation JPEGs to {args.out}")

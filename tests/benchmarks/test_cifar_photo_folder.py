@@ -1,4 +1,4 @@
-"""``benchmarks/photo_folder.py``: the photo folder the 224-px serving check trains on, cut from a CIFAR-style zip."""
+"""``benchmarks/cifar_photo_folder.py``: the photo folder the 224-px serving check trains on, from a CIFAR zip."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def cifar_zip(tmp_path):
 
 
 def test_the_folder_holds_the_first_files_of_each_class_byte_for_byte(cifar_zip, tmp_path):
-    bench = load_script("benchmarks/photo_folder.py")
+    bench = load_script("benchmarks/cifar_photo_folder.py")
     zip_path, files = cifar_zip
     out = tmp_path / "photos"
-    written = bench.write_photo_folder(str(zip_path), out, {"train": 2, "val": 1})
+    written = bench.write_cifar_photo_folder(str(zip_path), out, {"train": 2, "val": 1})
     assert written == {"train": 4, "val": 2}
     got = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*.jpg")}
     want = {f"train/{c}/{i}.jpg": files[f"train/{c}/{i}.jpg"] for c in ("cat", "dog") for i in (0, 1)}
@@ -59,8 +59,8 @@ def test_the_folder_holds_the_first_files_of_each_class_byte_for_byte(cifar_zip,
     ],
 )
 def test_bad_options_are_one_line(argv, message, tmp_path, monkeypatch, capsys):
-    bench = load_script("benchmarks/photo_folder.py")
-    monkeypatch.setattr(sys, "argv", ["photo_folder.py", "--out", str(tmp_path / "new"), *argv])
+    bench = load_script("benchmarks/cifar_photo_folder.py")
+    monkeypatch.setattr(sys, "argv", ["cifar_photo_folder.py", "--out", str(tmp_path / "new"), *argv])
     with pytest.raises(SystemExit) as stopped:
         bench.main()
     assert stopped.value.code == 2
