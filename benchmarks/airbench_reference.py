@@ -34,18 +34,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from benchmarks._common import ResultStream, machine_info, write_results  # noqa: E402
-
-DEFAULT_ZIP = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "cifar10-jpeg.zip"
-)
+from benchmarks._common import SHARED_ZIP, ResultStream, machine_info, write_results  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--zip", default=os.path.normpath(DEFAULT_ZIP), help="CIFAR-10 JPEG zip (ImageFolder layout)"
-    )
+    p.add_argument("--zip", default=SHARED_ZIP, help="CIFAR-10 JPEG zip (ImageFolder layout)")
     p.add_argument("--epochs", type=float, default=None, help="default: airbench94's 9.9")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--seed", type=int, default=0)

@@ -27,20 +27,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-from benchmarks._common import ResultStream, machine_info, write_results  # noqa: E402
-
-DEFAULT_ZIP = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "cifar10-jpeg.zip"
-)
+from benchmarks._common import SHARED_ZIP, ResultStream, machine_info, write_results  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument(
-        "--zip", default=os.path.normpath(DEFAULT_ZIP), help="CIFAR-10 JPEG zip (ImageFolder layout)"
-    )
+    p.add_argument("--zip", default=SHARED_ZIP, help="CIFAR-10 JPEG zip (ImageFolder layout)")
     p.add_argument("--recipe", default="cifar10-airbench")
     p.add_argument("--epochs", type=int, default=None, help="train this many epochs (default: the recipe's)")
     p.add_argument(

@@ -43,6 +43,7 @@ from _common import (  # noqa: E402
     DEADLINE_ENV,
     RESULTS_DIR,
     RESULTS_DIR_ENV,
+    SHARED_ZIP,
     STREAM_ENV,
     machine_info,
     print_table,
@@ -50,7 +51,6 @@ from _common import (  # noqa: E402
 
 #: Where gpu_check.sh unpacks the CIFAR-10 JPEGs carried as ``.device_data/cifar10-jpeg.npz``.
 DEVICE_CIFAR_ZIP = "/tmp/lcv-device-data/cifar10-jpeg.zip"
-SHARED_CIFAR_ZIP = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "cifar10-jpeg.zip"))
 #: Seconds a step keeps after its benchmark's own deadline to write its final JSON before it is killed.
 GRACE_S = 15
 #: A step is not started with less than this left.
@@ -87,7 +87,7 @@ class Step:
 
 
 def cifar_zip() -> str:
-    return DEVICE_CIFAR_ZIP if os.path.exists(DEVICE_CIFAR_ZIP) else SHARED_CIFAR_ZIP
+    return DEVICE_CIFAR_ZIP if os.path.exists(DEVICE_CIFAR_ZIP) else SHARED_ZIP
 
 
 def steps() -> list[Step]:

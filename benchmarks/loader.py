@@ -51,11 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # our packages, uninstalled
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vision"))
-from _common import ResultStream, out_of_time, print_table, time_ms, write_results  # noqa: E402
+from _common import SHARED_ZIP, ResultStream, out_of_time, print_table, time_ms, write_results  # noqa: E402
 
-ZIP = os.path.abspath(
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "cifar10-jpeg.zip")
-)
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
@@ -64,8 +61,8 @@ def load_jpegs(n: int, size: int) -> list[bytes]:
     zip."""
     from PIL import Image
 
-    if os.path.exists(ZIP):
-        with zipfile.ZipFile(ZIP) as zf:
+    if os.path.exists(SHARED_ZIP):
+        with zipfile.ZipFile(SHARED_ZIP) as zf:
             names = sorted(x for x in zf.namelist() if x.startswith("train/") and x.endswith(".jpg"))
             blobs = [zf.read(x) for x in names[:: max(1, len(names) // n)][:n]]
     else:
@@ -501,7 +498,7 @@ def main() -> None:
     if args.gpu_only:
         args.skip_cifar, args.jpeg_size, args.cpu_time = True, [], False
 
-    src = "real CIFAR-10 JPEGs" if os.path.exists(ZIP) else "synthetic JPEGs (shared zip not found)"
+    src = "real CIFAR-10 JPEGs" if os.path.exists(SHARED_ZIP) else "synthetic JPEGs (shared zip not found)"
     print(
         f"data: {src}; torch {torch.__version__}; CPU threads {torch.get_num_threads()}; "
         f"median of {args.repeats} alternating passes after a warm-up"

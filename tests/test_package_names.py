@@ -58,3 +58,23 @@ def test_hugging_faces_kernels_and_ours_import_together(where, tmp_path):
     assert "site-packages" in theirs and not Path(theirs).is_relative_to(ROOT / "kernels"), theirs
     assert Path(ours) == ROOT / "kernels" / "lcv_kernels" / "__init__.py"
     assert has_api == "True"  # Hugging Face's module, not a folder of ours seen as a namespace package
+
+
+def test_no_test_helper_shares_a_module_name_with_a_script():
+    """A script of ``benchmarks/`` or ``examples/`` puts its folder first on ``sys.path`` (and ``load_script``
+    registers it by its file name), so a helper of ``tests/`` with the same file name is shadowed by it in the
+    same pytest worker: ``benchmarks/photo_folder.py`` once broke 18 tests that imported ``tests/photo_folder.py``.
+    """
+    helpers = {
+        path.stem: path
+        for path in (ROOT / "tests").rglob("*.py")
+        if not path.name.startswith("test_") and path.name not in ("conftest.py", "__init__.py")
+    }
+    scripts = {
+        path.stem: path for folder in ("benchmarks", "examples") for path in (ROOT / folder).glob("*.py")
+    }
+    clashes = sorted(
+        f"{helpers[name].relative_to(ROOT)} and {scripts[name].relative_to(ROOT)}"
+        for name in helpers.keys() & scripts.keys()
+    )
+    assert not clashes, "same module name: " + "; ".join(clashes)

@@ -41,12 +41,12 @@ A user's ``mode`` or ``options`` win: the strategy applies none of this when eit
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lcv_kernels.cpp_extension_notice import quiet_cpp_extension_notice
 from lightning_plugin.cpu.graph_passes import graph_pass_options, training_decompositions
 
 #: Inductor config patches for CPU training (see the module docstring for the measurements).
@@ -64,23 +64,7 @@ def graph_op_count(graph_module: Any) -> int:
     return sum(node.op in ("call_function", "call_method", "call_module") for node in graph.nodes)
 
 
-class _NoCUDARuntimeNotice(logging.Filter):
-    """Drops ``torch.utils.cpp_extension``'s "No CUDA runtime is found" notice, which a CUDA build of torch logs
-    on a machine without a GPU when Inductor's C++ wrapper first builds: it concerns CUDA extensions, and a CPU
-    compile needs none. Every other message of that logger passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("No CUDA runtime is found")
-
-
-def quiet_cpp_extension_notice() -> None:
-    """Install the filter above on ``torch.utils.cpp_extension``'s logger, once."""
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    if not any(isinstance(f, _NoCUDARuntimeNotice) for f in logger.filters):
-        logger.addFilter(_NoCUDARuntimeNotice())
-
-
-quiet_cpp_extension_notice()
+quiet_cpp_extension_notice()  # the C++ wrapper's first build logs a CUDA notice that concerns no CPU graph
 
 
 def training_options(

@@ -1,9 +1,8 @@
 """Fast batched data augmentation and loading: uint8 storage, per-sample random params on whole batches."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcv_vision.data.color import ColorJitter, Normalize, ToGray
-from lcv_vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
 from lcv_vision.data.datasets import (
     CorruptImageError,
     DatasetError,
@@ -34,6 +33,19 @@ from lcv_vision.data.mixing import MixupCutmix
 from lcv_vision.data.ops import BatchOp, Params, RaggedBatch
 from lcv_vision.data.pipeline import Pipeline
 from lcv_vision.data.trivial_augment import TrivialAugmentWide
+
+if TYPE_CHECKING:  # imported on first use (below): they import Lightning, the rest of this package does not
+    from lcv_vision.data.albumentations_bridge import from_albumentations
+    from lcv_vision.data.datamodules import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule
+
+#: Names imported on first use: the DataModules import Lightning (~5 s in a fresh process, most of it the
+#: torchmetrics its version check imports), albumentations' bridge imports albumentations and cv2.
+_LAZY = {
+    "CIFAR10DataModule": "lcv_vision.data.datamodules",
+    "DigitsDataModule": "lcv_vision.data.datamodules",
+    "ImageFolderDataModule": "lcv_vision.data.datamodules",
+    "from_albumentations": "lcv_vision.data.albumentations_bridge",
+}
 
 __all__ = [
     "AlternatingFlipCrop",
@@ -76,9 +88,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # albumentations (and cv2) are imported only when the bridge is used.
-    if name == "from_albumentations":
-        from lcv_vision.data.albumentations_bridge import from_albumentations
+    if name in _LAZY:
+        import importlib
 
-        return from_albumentations
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,8 +20,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
+from lcv_kernels.cpp_extension_notice import quiet_cpp_extension_notice
 from lcv_vision.data.ops import BatchOp, Params
-from lightning_plugin.cpu.inductor import quiet_cpp_extension_notice
 
 quiet_cpp_extension_notice()  # the C++ wrapper's first build logs a CUDA notice that concerns no CPU graph
 

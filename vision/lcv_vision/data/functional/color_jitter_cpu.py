@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from lightning_plugin.cpu.inductor import quiet_cpp_extension_notice
+from lcv_kernels.cpp_extension_notice import quiet_cpp_extension_notice
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "color_jitter_cpu.cpp")
 
