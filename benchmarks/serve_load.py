@@ -66,6 +66,7 @@ def start_server(package: str, args: argparse.Namespace) -> tuple[subprocess.Pop
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("", "kernels", "vision"))}
     command = [sys.executable, "-m", "lcv_vision.cli", "serve", package, "--port", str(port)]
     command += ["--max-batch-size", str(args.max_batch_size), "--batch-timeout", str(args.batch_timeout)]
+    command += ["--workers", str(args.workers)]
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--batch-timeout", type=float, default=0.01)
+    parser.add_argument("--workers", type=int, default=1, help="model worker processes (lcv serve --workers)")
     parser.add_argument("--out-name", default="serve-cpu")
     parser.add_argument(
         "--upscale",
@@ -174,8 +176,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.upscale and min(args.upscale) < 1:
         parser.error(f"--upscale needs a positive width and height; got {args.upscale[0]} {args.upscale[1]}")
-    if args.images < 1 or args.requests < 1 or min(args.clients) < 1 or args.max_batch_size < 1:
-        parser.error("--images, --requests, --clients and --max-batch-size must be >= 1")
+    if (
+        args.images < 1
+        or args.requests < 1
+        or min(args.clients) < 1
+        or args.max_batch_size < 1
+        or args.workers < 1
+    ):
+        parser.error("--images, --requests, --clients, --max-batch-size and --workers must be >= 1")
 
     from lcv_vision.deploy import load_package
     from lcv_vision.deploy.images import decode_image
@@ -208,6 +216,7 @@ def main() -> None:
             "mean_body_bytes": round(sum(map(len, bodies)) / len(bodies)),
             "max_batch_size": args.max_batch_size,
             "batch_timeout_s": args.batch_timeout,
+            "workers": args.workers,
             "rows": rows,
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],

@@ -14,8 +14,9 @@ from script_loader import load_script
     [
         (["--upscale", "0", "256"], "--upscale needs a positive width and height; got 0 256"),
         (["--upscale", "320", "-1"], "--upscale needs a positive width and height; got 320 -1"),
-        (["--clients", "8", "0"], "--clients and --max-batch-size must be >= 1"),
-        (["--images", "0"], "--clients and --max-batch-size must be >= 1"),
+        (["--clients", "8", "0"], "--max-batch-size and --workers must be >= 1"),
+        (["--images", "0"], "--max-batch-size and --workers must be >= 1"),
+        (["--workers", "0"], "--max-batch-size and --workers must be >= 1"),
     ],
 )
 def test_bad_sizes_and_counts_are_one_line_at_start(argv, message, monkeypatch, capsys, tmp_path):

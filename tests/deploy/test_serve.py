@@ -7,10 +7,12 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -45,8 +47,10 @@ def _start_server(package: Path, folder: Path) -> tuple[subprocess.Popen, str, i
     """``lcv serve`` on a free port, in its own process group (LitServe starts worker processes), with SIGINT
     ignored at its start as ``lcv serve ... &`` in a script gets it; answers ``/health`` when returned."""
     port = _free_port()
-    scratch = folder / "tmp"  # the server's temp folder: what a stop leaves there is checked
-    scratch.mkdir()
+    # The server's temp folder (what a stop leaves there is checked), linked from ``folder/tmp``: a short path,
+    # as pytest's own folders can leave too little room for the Unix socket LitServe's manager makes there.
+    scratch = Path(tempfile.mkdtemp(prefix="lcvs-"))
+    (folder / "tmp").symlink_to(scratch, target_is_directory=True)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(str(_REPOSITORY / p) for p in ("", "kernels", "vision")),
@@ -97,6 +101,7 @@ def _assert_a_clean_stop(folder: Path) -> None:
         if p.name.startswith(("aotinductor_", "lcv-serve-worker-"))
     ]
     assert not left, left
+    shutil.rmtree((folder / "tmp").resolve(), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -357,6 +362,32 @@ def test_a_users_omp_wait_policy_stands(fp32_package, monkeypatch):
     monkeypatch.delenv(WAIT_POLICY_ENV)
     build_server(fp32_package)
     assert os.environ[WAIT_POLICY_ENV] == "PASSIVE"
+
+
+@pytest.mark.parametrize("room", [0, 1])
+def test_a_temp_folder_too_long_for_the_managers_socket_is_one_line(
+    fp32_package, monkeypatch, tmp_path, room
+):
+    """LitServe's manager listens on ``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``; a longer path failed with a
+    trace inside the manager process ("AF_UNIX path too long", a CI run whose pytest folders were deep)."""
+    pytest.importorskip("litserve")
+    from lcv_vision.deploy.errors import DeployError
+    from lcv_vision.deploy.serve import UNIX_SOCKET_PATH_MAX, build_server
+
+    suffix = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+    folder = tmp_path / "t"
+    folder = folder.with_name("t" * (UNIX_SOCKET_PATH_MAX - suffix - len(str(tmp_path)) - 1 + room))
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    if room:
+        with pytest.raises(DeployError, match="set TMPDIR to a shorter folder"):
+            build_server(fp32_package)
+        return
+    build_server(fp32_package)
+    with socket.socket(socket.AF_UNIX) as longest:  # the longest name the manager may use binds
+        path = folder / "pymp-xxxxxxxx" / "listener-xxxxxxxx"
+        path.parent.mkdir()
+        longest.bind(str(path))
 
 
 def test_a_stop_lets_the_worker_monitor_finish_before_the_manager_goes(fp32_package):

@@ -15,6 +15,7 @@ import base64
 import json
 import os
 import signal
+import tempfile
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from types import FrameType
@@ -27,7 +28,14 @@ from lcv_vision.deploy.host_transform import HostTransform
 from lcv_vision.deploy.images import DEFAULT_MAX_BYTES, decode_image
 from lcv_vision.deploy.package import PackageInfo, load_package, read_metadata
 
-__all__ = ["API_PATH", "ImageIntake", "build_server", "serve", "stop_on_sigint_and_sigterm"]
+__all__ = [
+    "API_PATH",
+    "ImageIntake",
+    "build_server",
+    "check_socket_folder",
+    "serve",
+    "stop_on_sigint_and_sigterm",
+]
 
 API_PATH = "/predict"
 
@@ -129,6 +137,25 @@ async def _answer(send: Send, status: int, payload: dict[str, str]) -> None:
 
 
 SHUTDOWN_GRACE_S = 5
+#: Longest path a Unix socket may have on Linux (``sun_path`` is 108 bytes with its NUL).
+UNIX_SOCKET_PATH_MAX = 107
+#: What ``multiprocessing`` appends to the temp folder for its manager's socket (``pymp-*/listener-*``).
+_MANAGER_SOCKET_SUFFIX = os.path.join("pymp-xxxxxxxx", "listener-xxxxxxxx")
+
+
+def check_socket_folder() -> None:
+    """LitServe's ``multiprocessing`` manager listens on a Unix socket in the temp folder; a temp folder whose
+    path leaves no room for the socket's name fails inside the manager process with a trace ("AF_UNIX path
+    too long"). Say so in one line before anything starts."""
+    folder = tempfile.gettempdir()
+    length = len(os.fsencode(os.path.join(folder, _MANAGER_SOCKET_SUFFIX)))
+    if length > UNIX_SOCKET_PATH_MAX:
+        raise DeployError(
+            f"the temp folder {folder} is too long a path for the server's Unix socket ({length} of at most "
+            f"{UNIX_SOCKET_PATH_MAX} bytes with the socket's name): set TMPDIR to a shorter folder"
+        )
+
+
 #: Read by OpenMP when a process loads it: the spawned model workers see what build_server sets.
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 
@@ -148,6 +175,7 @@ def build_server(
     server decodes on (224-px int8 ResNet-18, 8 clients on 2 cores, alternating runs: +3.5-6.4% requests/s;
     docs/deploy.md)."""
     os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+    check_socket_folder()
     import_extra("litserve", "serve", "lcv serve")
     import_extra("multipart", "serve", "lcv serve (multipart uploads)")
     if max_batch_size < 1 or batch_timeout < 0 or workers < 1 or top_k < 1:
