@@ -485,13 +485,17 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.compile_backend:
-        import lcv_vision.data.compiled
-        from lightning_plugin.config import CompileConfig
+        from torch._dynamo.backends.registry import lookup_backend
 
-        try:  # an unknown name fails here in one line, not at the first compiled batch
-            CompileConfig(backend=args.compile_backend)
-        except ValueError as err:
-            ap.error(str(err))
+        import lcv_vision.data.compiled
+
+        try:  # an unknown name fails here in one line, not at the first compiled batch (and without Lightning)
+            lookup_backend(args.compile_backend)
+        except Exception:
+            ap.error(
+                f"--compile-backend {args.compile_backend!r} is not a registered torch.compile backend; known: "
+                f"{sorted(torch._dynamo.list_backends(exclude_tags=()))}"
+            )
 
         lcv_vision.data.compiled.BACKEND = args.compile_backend
     torch.set_num_threads(2)
