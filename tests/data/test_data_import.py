@@ -31,7 +31,7 @@ def test_the_data_package_imports_without_lightning():
 def test_the_datamodules_import_on_first_use(name):
     module = getattr(data, name)
     assert issubclass(module, pl.LightningDataModule)
-    assert name in data.__all__
+    assert name in data.__all__ and name in dir(data)
 
 
 def test_an_unknown_name_is_an_attribute_error():

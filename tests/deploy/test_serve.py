@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -379,6 +380,9 @@ def test_a_temp_folder_too_long_for_the_managers_socket_is_one_line(
     folder = folder.with_name("t" * (UNIX_SOCKET_PATH_MAX - suffix - len(str(tmp_path)) - 1 + room))
     folder.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    # multiprocessing keeps the folder it made first: this test wants one made under ``folder``, and the worker's
+    # own back afterwards (``setitem`` restores it, or removes the key if there was none).
+    monkeypatch.setitem(multiprocessing.current_process()._config, "tempdir", None)
     if room:
         with pytest.raises(DeployError, match="set TMPDIR to a shorter folder"):
             build_server(fp32_package)

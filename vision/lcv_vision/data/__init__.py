@@ -93,3 +93,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))  # the names imported on first use too (tab completion)

@@ -139,20 +139,23 @@ async def _answer(send: Send, status: int, payload: dict[str, str]) -> None:
 SHUTDOWN_GRACE_S = 5
 #: Longest path a Unix socket may have on Linux (``sun_path`` is 108 bytes with its NUL).
 UNIX_SOCKET_PATH_MAX = 107
-#: What ``multiprocessing`` appends to the temp folder for its manager's socket (``pymp-*/listener-*``).
-_MANAGER_SOCKET_SUFFIX = os.path.join("pymp-xxxxxxxx", "listener-xxxxxxxx")
+#: The name ``multiprocessing`` gives its manager's socket in its temp folder (``listener-`` and 8 characters).
+_MANAGER_SOCKET_NAME = "listener-xxxxxxxx"
 
 
 def check_socket_folder() -> None:
-    """LitServe's ``multiprocessing`` manager listens on a Unix socket in the temp folder; a temp folder whose
-    path leaves no room for the socket's name fails inside the manager process with a trace ("AF_UNIX path
-    too long"). Say so in one line before anything starts."""
-    folder = tempfile.gettempdir()
-    length = len(os.fsencode(os.path.join(folder, _MANAGER_SOCKET_SUFFIX)))
+    """LitServe's ``multiprocessing`` manager listens on a Unix socket in ``multiprocessing``'s temp folder
+    (``$TMPDIR/pymp-*``); one whose path leaves no room for the socket's name failed inside the manager process
+    with a trace ("AF_UNIX path too long"). Say so in one line before anything starts. The folder is the one this
+    Python picks (a newer Python falls back to a shorter one by itself), made here as the manager would."""
+    from multiprocessing import util
+
+    folder = util.get_temp_dir()
+    length = len(os.fsencode(os.path.join(folder, _MANAGER_SOCKET_NAME)))
     if length > UNIX_SOCKET_PATH_MAX:
         raise DeployError(
-            f"the temp folder {folder} is too long a path for the server's Unix socket ({length} of at most "
-            f"{UNIX_SOCKET_PATH_MAX} bytes with the socket's name): set TMPDIR to a shorter folder"
+            f"the temp folder {tempfile.gettempdir()} is too long a path for the server's Unix socket ({length} "
+            f"of at most {UNIX_SOCKET_PATH_MAX} bytes with the socket's name): set TMPDIR to a shorter folder"
         )
 
 
